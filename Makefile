@@ -1,0 +1,34 @@
+# Two commands on a fresh machine:  make demo   and   make test
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lumen-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml scripts/system-deps.sh
+	./scripts/system-deps.sh
+	$(PYTHON) -c 'import sys; sys.exit("LUMEN needs Python 3.11 or newer, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,systemd]'
+	touch $(STAMP)
+
+## demo: a local cluster (embedded etcd, three lumend nodes), a fault, the recovery shown
+demo: $(STAMP)
+	$(BIN)/lumenctl demo
+
+## test: ruff and mypy over lumend/ and lumenctl/, then the test suite
+test: lint
+	$(BIN)/pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check lumend lumenctl tests bench
+	$(BIN)/mypy
+
+## bench: coordinator takeover and heartbeat rate (prints tables; asserts nothing)
+bench: $(STAMP)
+	$(BIN)/python bench/takeover.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

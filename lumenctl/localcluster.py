@@ -1,0 +1,323 @@
+"""A LUMEN cluster on this machine: etcd members and lumend processes on loopback ports.
+
+Used by `lumenctl demo`, the integration tests and the benchmarks. Every process it starts
+it stops itself, by pid: SIGTERM, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ETCD_INSTALL_HINT = (
+    "the etcd server binary was not found on PATH; install it "
+    "(Debian/Ubuntu: `apt-get install -y etcd-server`) or set LUMEN_ETCD_BIN"
+)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel hands out as free right now (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def etcd_binary() -> str:
+    found = os.environ.get("LUMEN_ETCD_BIN") or shutil.which("etcd")
+    if not found:
+        raise RuntimeError(ETCD_INSTALL_HINT)
+    return found
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGCONT)  # a SIGSTOPped process cannot handle SIGTERM
+        proc.terminate()
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class EtcdMember:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+class EtcdCluster:
+    """One or more etcd members on loopback, each with its own data directory."""
+
+    def __init__(self, workdir: Path, size: int = 1) -> None:
+        self.workdir = workdir
+        ports = free_ports(2 * size)
+        self.members = [
+            EtcdMember(
+                name=f"etcd{i}",
+                client_port=ports[2 * i],
+                peer_port=ports[2 * i + 1],
+                data_dir=workdir / f"etcd{i}.data",
+                log_path=workdir / f"etcd{i}.log",
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.client_url for m in self.members]
+
+    def start(self, timeout_s: float = 20.0) -> EtcdCluster:
+        binary = etcd_binary()
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for m in self.members:
+            log = m.log_path.open("ab")
+            m.proc = subprocess.Popen(
+                [
+                    binary,
+                    "--name", m.name,
+                    "--data-dir", str(m.data_dir),
+                    "--listen-client-urls", m.client_url,
+                    "--advertise-client-urls", m.client_url,
+                    "--listen-peer-urls", m.peer_url,
+                    "--initial-advertise-peer-urls", m.peer_url,
+                    "--initial-cluster", initial,
+                    "--initial-cluster-state", "new",
+                    "--initial-cluster-token", f"lumen-{os.getpid()}-{id(self)}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            log.close()
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 20.0) -> None:
+        import asyncio
+
+        from lumend.cluster.store import EtcdStore, StoreError
+
+        async def probe() -> None:
+            store = EtcdStore(self.endpoints, request_timeout_s=0.5, retry_budget_s=0.5)
+            try:
+                await store.put("/lumen-health-probe", b"ok")
+            finally:
+                await store.close()
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for m in self.members:
+                if m.proc is not None and m.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"etcd member {m.name} exited with {m.proc.returncode}; "
+                        f"see {m.log_path}"
+                    )
+            try:
+                asyncio.run(probe())
+                return
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"etcd at {', '.join(self.endpoints)} not healthy after {timeout_s} s; "
+                        f"see {self.workdir}/etcd*.log"
+                    ) from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+
+@dataclass
+class LumendNode:
+    name: str
+    config_path: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, python: str = sys.executable) -> LumendNode:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [python, "-m", "lumend", "run", "--config", str(self.config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.running:
+            self.signal(signal.SIGKILL)
+            assert self.proc is not None
+            self.proc.wait(timeout=5)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM and wait (SIGKILL after `grace_s`); returns the exit code."""
+        if self.proc is None:
+            return None
+        stop_process(self.proc, grace_s)
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def node_config_toml(
+    name: str,
+    endpoints: Sequence[str],
+    cluster: str,
+    ports: Sequence[int],
+    *,
+    lease_ttl_s: int,
+    workers: int = 1,
+    workdir: Path,
+) -> str:
+    """A node config on loopback; `ports` gives gateway, rpc, checkpoint, metrics, engines."""
+    gateway, rpc, checkpoint, metrics, first_engine = ports[:5]
+    endpoint_list = ", ".join(f'"{e}"' for e in endpoints)
+    text = f"""\
+state_dir = "{workdir}/{name}/state"
+runtime_dir = "{workdir}/{name}/run"
+
+[node]
+name = "{name}"
+address = "127.0.0.1"
+
+[etcd]
+endpoints = [{endpoint_list}]
+cluster = "{cluster}"
+lease_ttl_s = {lease_ttl_s}
+request_timeout_s = {min(2.0, lease_ttl_s / 3):.2f}
+
+[gateway]
+listen = "127.0.0.1:{gateway}"
+[rpc]
+listen = "127.0.0.1:{rpc}"
+[checkpoint]
+listen = "127.0.0.1:{checkpoint}"
+budget_bytes = "1GiB"
+[metrics]
+listen = "127.0.0.1:{metrics}"
+"""
+    for i in range(workers):
+        text += f"""
+[[workers]]
+name = "{name}-w{i}"
+gpus = [{i}]
+engine = "sim"
+shadows = 1
+model = "sim-llama-8b"
+port = {first_engine + 2 * i}
+"""
+    return text
+
+
+@dataclass
+class LocalCluster:
+    """etcd plus `size` lumend nodes, all on loopback under `workdir`."""
+
+    workdir: Path
+    size: int = 3
+    etcd_members: int = 1
+    cluster: str = "local"
+    lease_ttl_s: int = 3
+    workers_per_node: int = 1
+    etcd: EtcdCluster = field(init=False)
+    nodes: list[LumendNode] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.etcd = EtcdCluster(self.workdir, self.etcd_members)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self.etcd.endpoints
+
+    def start(self) -> LocalCluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.etcd.start()
+        for i in range(self.size):
+            self.add_node(f"node-{i + 1}")
+        return self
+
+    def add_node(self, name: str) -> LumendNode:
+        ports = free_ports(4 + 2 * self.workers_per_node)
+        config = self.workdir / f"{name}.toml"
+        config.write_text(
+            node_config_toml(
+                name, self.endpoints, self.cluster, ports, lease_ttl_s=self.lease_ttl_s,
+                workers=self.workers_per_node, workdir=self.workdir,
+            )
+        )
+        node = LumendNode(name, config, self.workdir / f"{name}.log").start()
+        self.nodes.append(node)
+        return node
+
+    def node(self, name: str) -> LumendNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        self.etcd.stop()

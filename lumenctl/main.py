@@ -1,0 +1,368 @@
+"""`lumenctl`: the operator's CLI. Reads the cluster from etcd; writes intents for lumend.
+
+Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import os
+import socket
+import sys
+import time
+import tomllib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+
+from lumend.cluster.keys import Keys
+from lumend.cluster.models import Event, Intent, encode_value
+from lumend.cluster.store import Delete, EtcdStore, Put, StoreError, StoreUnavailable, TlsFiles
+from lumend.cluster.view import ClusterView, build_view
+from lumenctl.render import as_json, as_yaml, events_table, status_tables
+from lumenctl.report import events_document, status_document
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_ETCD = 3
+
+DEFAULT_CONFIG = "/etc/lumen/lumend.toml"
+DEFAULT_ENDPOINT = "http://127.0.0.1:2379"
+DEFAULT_WATCH_S = 2.0
+
+T = TypeVar("T")
+
+
+class Output(str, Enum):
+    table = "table"
+    json = "json"
+    yaml = "yaml"
+
+
+@dataclass
+class Context:
+    endpoints: list[str]
+    cluster: str
+    output: Output
+    tls: TlsFiles
+    timeout_s: float
+    console: Console
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.cluster)
+
+    def store(self) -> EtcdStore:
+        return EtcdStore(self.endpoints, request_timeout_s=self.timeout_s, tls=self.tls)
+
+
+app = typer.Typer(
+    name="lumenctl",
+    help="Operate a LUMEN cluster: status, events, drain/undrain, failover.\n\n"
+    "Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.callback()
+def global_options(
+    ctx: typer.Context,
+    endpoints: str | None = typer.Option(
+        None, "--endpoints", envvar="LUMEN_ENDPOINTS",
+        help="etcd endpoints, comma-separated (default: [etcd] endpoints of --config, else "
+        f"{DEFAULT_ENDPOINT}).",
+    ),
+    cluster: str | None = typer.Option(
+        None, "--cluster", envvar="LUMEN_CLUSTER",
+        help="Cluster name (default: [etcd] cluster of --config, else 'default').",
+    ),
+    output: Output = typer.Option(Output.table, "--output", "-o", help="Output format."),
+    config: Path = typer.Option(
+        Path(DEFAULT_CONFIG), "--config", envvar="LUMEN_CONFIG",
+        help="A lumend.toml to take etcd endpoints, cluster and TLS files from, if it exists.",
+    ),
+    timeout_s: float = typer.Option(2.0, "--timeout", help="Per-request etcd timeout, seconds."),
+) -> None:
+    defaults = _defaults_from_config(config)
+    endpoint_list = (
+        [e.strip() for e in endpoints.split(",") if e.strip()]
+        if endpoints
+        else defaults.get("endpoints") or [DEFAULT_ENDPOINT]
+    )
+    tls = TlsFiles(defaults.get("ca_cert"), defaults.get("cert"), defaults.get("key"))
+    ctx.obj = Context(
+        endpoints=endpoint_list,
+        cluster=cluster or defaults.get("cluster") or "default",
+        output=output,
+        tls=tls,
+        timeout_s=timeout_s,
+        console=Console(no_color=not sys.stdout.isatty(), soft_wrap=not sys.stdout.isatty()),
+    )
+
+
+def _defaults_from_config(path: Path) -> dict[str, Any]:
+    """The [etcd] table of a node config, if one is readable; lumenctl needs nothing else."""
+    try:
+        with path.open("rb") as f:
+            etcd = tomllib.load(f).get("etcd", {})
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        _fail(EXIT_USAGE, f"cannot read {path}: {exc}; fix it or point --config elsewhere")
+    return etcd if isinstance(etcd, dict) else {}
+
+
+# -- status -----------------------------------------------------------------------------
+
+
+@app.command()
+def status(
+    ctx: typer.Context,
+    watch: float | None = typer.Option(
+        None, "--watch", "-w", metavar="[SECONDS]",
+        help=f"Refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until interrupted.",
+    ),
+) -> None:
+    """Nodes and workers: state, engines, load, checkpoints, intents; the coordinator."""
+    c: Context = ctx.obj
+    if watch is not None and watch <= 0:
+        _fail(EXIT_USAGE, f"--watch {watch:g}: the interval must be positive")
+    if watch is None:
+        _emit_status(c, _run(c, lambda store: _read_view(c, store)))
+        return
+    if c.output is Output.table and sys.stdout.isatty():
+        from rich.live import Live
+
+        with Live(console=c.console, auto_refresh=False) as live:
+            while True:
+                view = _run(c, lambda store: _read_view(c, store))
+                live.update(status_tables(status_document(view)), refresh=True)
+                _sleep_or_exit(watch)
+    while True:
+        _emit_status(c, _run(c, lambda store: _read_view(c, store)))
+        sys.stdout.flush()
+        _sleep_or_exit(watch)
+
+
+def _emit_status(c: Context, view: ClusterView) -> None:
+    doc = status_document(view)
+    if c.output is Output.json:
+        typer.echo(as_json(doc))
+    elif c.output is Output.yaml:
+        typer.echo(as_yaml(doc))
+        typer.echo("---")
+    else:
+        c.console.print(status_tables(doc))
+
+
+def _sleep_or_exit(seconds: float) -> None:
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+async def _read_view(c: Context, store: EtcdStore) -> ClusterView:
+    return build_view(c.keys, await store.get_prefix(c.keys.root))
+
+
+# -- events -----------------------------------------------------------------------------
+
+
+@app.command()
+def events(
+    ctx: typer.Context,
+    limit: int = typer.Option(50, "--limit", "-n", min=1, help="Show the newest N events."),
+) -> None:
+    """The cluster's recovery, failover and coordinator history, oldest first."""
+    c: Context = ctx.obj
+    view = _run(c, lambda store: _read_view(c, store))
+    doc = events_document(c.cluster, view.events[-limit:])
+    if c.output is Output.json:
+        typer.echo(as_json(doc))
+    elif c.output is Output.yaml:
+        typer.echo(as_yaml(doc))
+    else:
+        c.console.print(events_table(doc))
+
+
+# -- intents ----------------------------------------------------------------------------
+
+
+@app.command()
+def drain(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="A node or worker name."),
+    migrate: bool = typer.Option(
+        False, "--migrate", help="Also move in-flight requests to their checkpoint holders."
+    ),
+    reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+) -> None:
+    """Stop admitting requests on a node or worker (writes a drain intent)."""
+    _write_intent(ctx.obj, "drain", target, reason, migrate, yes, workers_only=False)
+
+
+@app.command()
+def undrain(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="A node or worker name."),
+) -> None:
+    """Remove a drain intent."""
+    _remove_intent(ctx.obj, "drain", target)
+
+
+@app.command()
+def failover(
+    ctx: typer.Context,
+    worker: str = typer.Argument(..., help="A worker name."),
+    reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
+    cancel: bool = typer.Option(False, "--cancel", help="Withdraw a pending failover intent."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+) -> None:
+    """Hand a worker's serving role to its shadow engine (writes a failover intent)."""
+    if cancel:
+        _remove_intent(ctx.obj, "failover", worker)
+    else:
+        _write_intent(ctx.obj, "failover", worker, reason, False, yes, workers_only=True)
+
+
+def _write_intent(
+    c: Context, kind: str, target: str, reason: str, migrate: bool, yes: bool,
+    *, workers_only: bool,
+) -> None:
+    view = _run(c, lambda store: _read_view(c, store))
+    if target in view.workers:
+        target_kind = "worker"
+    elif target in view.nodes and not workers_only:
+        target_kind = "node"
+    else:
+        what = "worker" if workers_only else "node or worker"
+        _fail(EXIT_FAILED, f"no {what} named {target!r} in cluster {c.cluster!r}; "
+              "`lumenctl status` lists them")
+    if not yes:
+        if not sys.stdin.isatty():
+            _fail(EXIT_USAGE, f"refusing to {kind} {target} without confirmation: pass --yes")
+        if not typer.confirm(f"{kind} {target_kind} {target}?"):
+            _fail(EXIT_FAILED, "cancelled")
+    requester = f"{getpass.getuser()}@{socket.gethostname()}"
+    now = time.time()
+    intent = Intent(
+        kind=kind,  # type: ignore[arg-type]  # one of keys.INTENT_KINDS, checked by Keys.intent
+        target=target, target_kind=target_kind,  # type: ignore[arg-type]
+        requested_at=now, requested_by=requester, reason=reason, migrate=migrate,
+    )
+    event = Event(at=now, kind=f"{kind}_requested", source="lumenctl",
+                  message=f"{requester} requested {kind} of {target_kind} {target}"
+                  + (f": {reason}" if reason else ""))
+    key = c.keys.intent(kind, target)
+    event_key = c.keys.event(int(now * 1000), "lumenctl", os.getpid() % 10000)
+
+    async def write(store: EtcdStore) -> None:
+        await store.txn([], [Put(key, encode_value(intent)), Put(event_key, encode_value(event))])
+
+    _run(c, write)
+    typer.echo(f"{kind} intent written for {target_kind} {target}")
+
+
+def _remove_intent(c: Context, kind: str, target: str) -> None:
+    key = c.keys.intent(kind, target)
+
+    async def remove(store: EtcdStore) -> bool:
+        existing = await store.get(key)
+        if existing is None:
+            return False
+        now = time.time()
+        event = Event(at=now, kind=f"{kind}_withdrawn", source="lumenctl",
+                      message=f"{kind} intent for {target} withdrawn")
+        event_key = c.keys.event(int(now * 1000), "lumenctl", os.getpid() % 10000)
+        await store.txn([], [Delete(key), Put(event_key, encode_value(event))])
+        return True
+
+    if not _run(c, remove):
+        _fail(EXIT_FAILED, f"no {kind} intent for {target!r} in cluster {c.cluster!r}")
+    typer.echo(f"{kind} intent removed for {target}")
+
+
+# -- demo -------------------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    ctx: typer.Context,
+    nodes: int = typer.Option(3, "--nodes", min=2, max=9, help="lumend nodes to start."),
+    lease_ttl_s: int = typer.Option(3, "--lease-ttl", min=2, help="Node lease TTL, seconds."),
+    keep: bool = typer.Option(False, "--keep", help="Leave the cluster running until Ctrl-C."),
+) -> None:
+    """Start a local cluster (embedded etcd, lumend nodes), kill its coordinator, show the
+    takeover, stop another gracefully, show the handover. Needs the etcd binary."""
+    from lumenctl.demo import run_demo
+    from lumenctl.localcluster import etcd_binary
+
+    try:
+        etcd_binary()
+    except RuntimeError as exc:
+        _fail(EXIT_USAGE, str(exc))
+    c: Context = ctx.obj
+    try:
+        run_demo(c.console, nodes, lease_ttl_s, keep)
+    except (TimeoutError, RuntimeError) as exc:
+        _fail(EXIT_FAILED, f"demo failed: {exc}")
+
+
+# -- plumbing ---------------------------------------------------------------------------
+
+
+def _run(c: Context, action: Callable[[EtcdStore], Awaitable[T]]) -> T:
+    async def go() -> T:
+        store = c.store()
+        try:
+            return await action(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(go())
+    except StoreUnavailable as exc:
+        _fail(EXIT_ETCD, str(exc))
+    except StoreError as exc:
+        _fail(EXIT_FAILED, str(exc))
+    except ValueError as exc:  # a malformed endpoint
+        _fail(EXIT_USAGE, str(exc))
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    typer.echo(f"lumenctl: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _normalize_argv(argv: list[str]) -> list[str]:
+    """Let `--watch` stand alone (`status --watch`) as well as take SECONDS."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg in ("--watch", "-w"):
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following is None or not _is_number(following):
+                out.append(str(DEFAULT_WATCH_S))
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def main() -> None:
+    sys.argv[1:] = _normalize_argv(sys.argv[1:])
+    app()

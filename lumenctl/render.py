@@ -1,0 +1,103 @@
+"""Rendering of report documents: rich tables for people, JSON/YAML for programs."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import yaml
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+
+def as_json(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=False)
+
+
+def as_yaml(document: dict[str, Any]) -> str:
+    return yaml.safe_dump(document, sort_keys=False)
+
+
+def status_tables(doc: dict[str, Any]) -> RenderableType:
+    coordinator = doc["coordinator"]
+    if coordinator is None:
+        head = Text(f"cluster {doc['cluster']}: no coordinator elected", style="bold red")
+    else:
+        head = Text(
+            f"cluster {doc['cluster']}: coordinator {coordinator['node']} "
+            f"(epoch {coordinator['epoch']})",
+            style="bold",
+        )
+        if coordinator["decision"]:
+            head.append(f"\n  {coordinator['decision']}", style="dim")
+
+    nodes = Table(title="nodes", title_justify="left", expand=False)
+    for column in ("NODE", "ADDRESS", "STATE", "WORKERS", "INTENTS", "SEEN", "STATUS"):
+        nodes.add_column(column)
+    for n in doc["nodes"]:
+        nodes.add_row(
+            n["name"], n["address"], n["state"], str(len(n["workers"])),
+            _intents(n["intents"]), _age(n["updated_at"]), n["status"],
+        )
+
+    workers = Table(title="workers", title_justify="left", expand=False)
+    for column in ("WORKER", "NODE", "STATE", "ENGINES", "LOAD", "CHECKPOINTS", "INTENTS"):
+        workers.add_column(column)
+    for w in doc["workers"]:
+        workers.add_row(
+            w["name"], w["node"], w["state"], _engines(w["engines"]), _load(w["load"]),
+            _checkpoints(w["checkpoints"]), _intents(w["intents"]),
+        )
+
+    parts: list[RenderableType] = [head, nodes, workers]
+    if doc["problems"]:
+        problems = Text("skipped values under the prefix:\n", style="yellow")
+        for p in doc["problems"]:
+            problems.append(f"  {p['key']}: {p['reason']}\n")
+        parts.append(problems)
+    return Group(*parts)
+
+
+def events_table(doc: dict[str, Any]) -> RenderableType:
+    table = Table(title=f"events in cluster {doc['cluster']}", title_justify="left")
+    for column in ("TIME", "KIND", "SOURCE", "EPOCH", "MESSAGE"):
+        table.add_column(column)
+    for e in doc["events"]:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["at"]))
+        epoch = "" if e.get("epoch") is None else str(e["epoch"])
+        table.add_row(at, e["kind"], e["source"], epoch, e["message"])
+    return table
+
+
+def _engines(engines: list[dict[str, Any]]) -> str:
+    if not engines:
+        return "-"
+    return " ".join(f"{e['role']}:{e['state']}" for e in engines)
+
+
+def _load(load: dict[str, Any]) -> str:
+    return f"{load['running']} run / {load['waiting']} wait / kv {load['kv_usage'] * 100:.0f}%"
+
+
+def _checkpoints(ckpt: dict[str, Any]) -> str:
+    return f"{_size(ckpt['bytes_held'])} / {_size(ckpt['budget_bytes'])}"
+
+
+def _intents(intents: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{i['kind']}{' (migrate)' if i['migrate'] else ''}" for i in intents) or "-"
+
+
+def _age(at: float) -> str:
+    seconds = max(0.0, time.time() - at)
+    return f"{seconds:.0f}s ago"
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{n}B"

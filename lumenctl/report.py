@@ -1,0 +1,86 @@
+"""What `lumenctl status` and `lumenctl events` show, as plain data.
+
+The table, JSON and YAML outputs all render these same documents, so they never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from lumend.cluster.models import Event, Intent, WorkerRecord
+from lumend.cluster.view import ClusterView
+
+
+def status_document(view: ClusterView) -> dict[str, Any]:
+    coordinator: dict[str, Any] | None = None
+    if view.coordinator is not None:
+        record = view.coordinator.record
+        status = view.coordinator_status
+        decision = status.decision if status and status.epoch == view.coordinator.epoch else ""
+        coordinator = {
+            "node": record.node,
+            "epoch": view.coordinator.epoch,
+            "address": record.address,
+            "rpc": record.rpc,
+            "elected_at": record.elected_at,
+            "decision": decision,
+        }
+    nodes = [
+        {
+            "name": n.name,
+            "address": n.address,
+            "state": n.state,
+            "version": n.version,
+            "pid": n.pid,
+            "workers": list(n.workers),
+            "status": n.status,
+            "updated_at": n.updated_at,
+            "intents": [_intent(i) for i in view.node_intents(n.name)],
+        }
+        for n in sorted(view.nodes.values(), key=lambda n: n.name)
+    ]
+    workers = [_worker(w, view.intents_for(w)) for w in sorted(view.workers.values(),
+                                                                key=lambda w: w.name)]
+    return {
+        "cluster": view.cluster,
+        "revision": view.revision,
+        "coordinator": coordinator,
+        "nodes": nodes,
+        "workers": workers,
+        "intents": [_intent(i) for i in view.intents],
+        "problems": [{"key": p.key, "reason": p.reason} for p in view.problems],
+    }
+
+
+def events_document(cluster: str, events: list[Event]) -> dict[str, Any]:
+    return {"cluster": cluster, "events": [msgspec.to_builtins(e) for e in events]}
+
+
+def _worker(worker: WorkerRecord, intents: list[Intent]) -> dict[str, Any]:
+    return {
+        "name": worker.name,
+        "node": worker.node,
+        "state": worker.state,
+        "engine": worker.engine,
+        "model": worker.model,
+        "gpus": list(worker.gpus),
+        "engines": [msgspec.to_builtins(e) for e in worker.engines],
+        "load": msgspec.to_builtins(worker.load),
+        "checkpoints": msgspec.to_builtins(worker.checkpoints),
+        "intents": [_intent(i) for i in intents],
+        "updated_at": worker.updated_at,
+    }
+
+
+def _intent(intent: Intent) -> dict[str, Any]:
+    return {
+        "kind": intent.kind,
+        "target": intent.target,
+        "target_kind": intent.target_kind,
+        "requested_at": intent.requested_at,
+        "requested_by": intent.requested_by,
+        "reason": intent.reason,
+        "migrate": intent.migrate,
+    }

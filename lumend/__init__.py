@@ -1,0 +1,3 @@
+"""lumend: the per-node LUMEN daemon."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from lumend.cli import main
+
+main()

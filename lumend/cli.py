@@ -1,0 +1,76 @@
+"""`lumend`: run a node, or check its configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import typer
+
+from lumend import __version__
+from lumend.config import DEFAULT_CONFIG_PATH, ConfigError, NodeConfig, load_config
+
+app = typer.Typer(
+    name="lumend",
+    help="The per-node LUMEN daemon: joins the cluster in etcd, holds or follows the "
+    "coordinator role, supervises the node's engines.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+EXIT_CONFIG = 2
+
+
+@app.command("check-config")
+def check_config(
+    path: Path = typer.Argument(Path(DEFAULT_CONFIG_PATH), help="The node config (TOML)."),
+) -> None:
+    """Validate a node config: exit 0 when valid, 2 with every problem listed when not."""
+    config = load_config_or_exit(path)
+    typer.echo(
+        f"{path}: ok (node {config.node.name}, cluster {config.etcd.cluster!r}, "
+        f"{len(config.workers)} workers)"
+    )
+
+
+@app.command("run")
+def run(
+    config_path: Path = typer.Option(
+        Path(DEFAULT_CONFIG_PATH), "--config", "-c", help="The node config (TOML)."
+    ),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Run the node until SIGTERM or SIGINT (then resign and deregister)."""
+    config = load_config_or_exit(config_path)
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        typer.echo(f"--log-level {log_level!r} is not a level; use debug, info, warning or "
+                   "error", err=True)
+        raise typer.Exit(EXIT_CONFIG)
+    logging.basicConfig(
+        level=level, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from lumend.daemon import run_node  # deferred: check-config stays light
+
+    asyncio.run(run_node(config))
+
+
+@app.command("version")
+def version() -> None:
+    """Print the version."""
+    typer.echo(__version__)
+
+
+def load_config_or_exit(path: Path) -> NodeConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+def main() -> None:
+    app()

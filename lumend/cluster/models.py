@@ -1,0 +1,115 @@
+"""Typed values of the etcd keys (JSON, readable with etcdctl).
+
+Values are decoded at the edge (`decode_value`); a malformed or foreign value is reported
+by the caller and skipped, never trusted.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+import msgspec
+
+WorkerState = Literal[
+    "starting", "serving", "recovering", "assisting", "draining", "drained", "failed", "stopped"
+]
+NodeState = Literal["up", "stopping"]
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    role: Literal["active", "shadow"]
+    state: str
+    port: int
+    pid: int | None = None
+
+
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class CheckpointUsage(msgspec.Struct, frozen=True, kw_only=True):
+    bytes_held: int = 0
+    budget_bytes: int = 0
+    requests: int = 0
+
+
+class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    address: str
+    state: NodeState = "up"
+    pid: int
+    version: str
+    started_at: float
+    updated_at: float
+    gateway: str
+    rpc: str
+    checkpoint: str
+    metrics: str
+    workers: list[str] = []
+    status: str = ""
+
+
+class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    node: str
+    gpus: list[int]
+    engine: str
+    model: str
+    state: WorkerState
+    engines: list[EngineInfo] = []
+    load: WorkerLoad = WorkerLoad()
+    checkpoints: CheckpointUsage = CheckpointUsage()
+    updated_at: float
+
+
+class CoordinatorRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of the `coordinator` key. The epoch is the key's create revision, not a field:
+    etcd assigns it, so no writer can claim one it did not win."""
+
+    node: str
+    address: str
+    rpc: str
+    elected_at: float
+
+
+class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What the coordinator last decided, written by it (epoch-guarded) every cycle."""
+
+    node: str
+    epoch: int
+    at: float
+    decision: str
+    members: list[str] = []
+
+
+class Intent(msgspec.Struct, frozen=True, kw_only=True):
+    kind: Literal["drain", "failover"]
+    target: str
+    target_kind: Literal["node", "worker"]
+    requested_at: float
+    requested_by: str
+    reason: str = ""
+    migrate: bool = False
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    at: float
+    kind: str
+    source: str
+    message: str
+    epoch: int | None = None
+
+
+_T = TypeVar("_T")
+
+
+def encode_value(value: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(value)
+
+
+def decode_value(data: bytes, kind: type[_T]) -> _T:
+    """Decode and validate; raises `msgspec.ValidationError`/`DecodeError` naming the field."""
+    return msgspec.json.decode(data, type=kind)

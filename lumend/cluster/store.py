@@ -1,0 +1,395 @@
+"""The cluster store: LUMEN's small interface over etcd v3.
+
+Everything above this module speaks `Store`; only `EtcdStore` knows the client library
+(etcd-sdk-python, imported as `pyetcd`). Endpoint rotation, retries and timeouts are ours:
+pyetcd's own failover marks an endpoint failed for five minutes, which is far too long for
+a daemon that must renew a lease every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# gRPC codes after which another endpoint (or the same one, a moment later) may succeed.
+_TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """All keys under a prefix, read at one revision."""
+
+    kvs: list[KeyValue]
+    revision: int
+
+
+@dataclass(frozen=True)
+class CreateRevisionIs:
+    """Compare: the key's create revision equals `revision` (0 means the key is absent)."""
+
+    key: str
+    revision: int
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+
+
+Op = Put | Delete
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    # Values read by the failure branch's `read_on_failure` keys (absent keys are omitted).
+    read: dict[str, KeyValue] = field(default_factory=dict)
+
+
+class StoreError(Exception):
+    """The store answered, but not as asked (a bug or a misconfigured server)."""
+
+
+class StoreUnavailable(StoreError):
+    """No etcd endpoint answered within the retry budget."""
+
+    def __init__(self, endpoints: Sequence[str], attempts: int, elapsed_s: float, last: str):
+        self.endpoints = list(endpoints)
+        self.attempts = attempts
+        self.elapsed_s = elapsed_s
+        self.last = last
+        super().__init__(
+            f"etcd unreachable at {', '.join(self.endpoints)} "
+            f"({attempts} attempts over {elapsed_s:.1f} s; last error: {last}); "
+            "check that etcd runs there (`systemctl status etcd`) and that the endpoints "
+            "are right (--endpoints / LUMEN_ENDPOINTS / [etcd] endpoints)"
+        )
+
+
+class Store(Protocol):
+    """What LUMEN needs from a consistent key-value store with leases."""
+
+    @property
+    def endpoints(self) -> list[str]: ...
+
+    async def get(self, key: str) -> KeyValue | None: ...
+
+    async def get_prefix(self, prefix: str) -> Snapshot: ...
+
+    async def read_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+        """All keys under any of `prefixes`, read atomically at one revision."""
+        ...
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int: ...
+
+    async def delete(self, key: str) -> bool: ...
+
+    async def txn(
+        self,
+        compares: Sequence[CreateRevisionIs],
+        success: Sequence[Op],
+        read_on_failure: Sequence[str] = (),
+    ) -> TxnResult: ...
+
+    async def grant_lease(self, ttl_s: int) -> int: ...
+
+    async def keepalive(self, lease: int) -> int:
+        """Renew `lease` once; returns the remaining TTL in seconds, 0 when it has expired."""
+        ...
+
+    async def revoke_lease(self, lease: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    url: str
+    host: str
+    port: int
+    secure: bool
+
+
+def parse_endpoint(url: str) -> EndpointSpec:
+    """`http://host:port` -> EndpointSpec; a bare `host:port` is taken as http."""
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(
+            f"etcd endpoint {url!r} is not of the form http://HOST:PORT or https://HOST:PORT"
+        )
+    return EndpointSpec(text, parts.hostname, parts.port, parts.scheme == "https")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+class EtcdStore:
+    """`Store` over etcd v3 (gRPC), with our own endpoint rotation and bounded retries.
+
+    Each call tries the current endpoint; on a connection error or timeout it moves to the
+    next endpoint and retries until `retry_budget_s` is spent, then raises
+    `StoreUnavailable` naming every endpoint it tried. Calls run in worker threads so the
+    asyncio loop never blocks on the network.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        request_timeout_s: float = 2.0,
+        retry_budget_s: float | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is required")
+        self._specs = [parse_endpoint(e) for e in endpoints]
+        self._timeout = request_timeout_s
+        self._budget = (
+            retry_budget_s
+            if retry_budget_s is not None
+            else request_timeout_s * max(2, len(self._specs))
+        )
+        self._tls = tls or TlsFiles()
+        self._clients: dict[int, Any] = {}
+        self._current = 0
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [s.url for s in self._specs]
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _client(self, index: int) -> Any:
+        client = self._clients.get(index)
+        if client is None:
+            import pyetcd  # deferred: keeps `import lumend` light
+
+            spec = self._specs[index]
+            creds = None
+            if spec.secure:
+                creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(
+                    self._tls.ca_cert, self._tls.key, self._tls.cert
+                )
+            # time_retry=0: never let the library park an endpoint; rotation is ours.
+            endpoint = pyetcd.Endpoint(
+                spec.host, spec.port, secure=spec.secure, creds=creds, time_retry=0.0
+            )
+            client = pyetcd.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=self._timeout)
+            self._clients[index] = client
+        return client
+
+    def _drop_client(self, index: int) -> None:
+        client = self._clients.pop(index, None)
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken channel must not mask the real error
+                log.debug("closing etcd client for %s failed", self._specs[index].url)
+
+    async def _call(self, what: str, fn: Callable[[Any], T]) -> T:
+        import pyetcd.exceptions as etcd_errors
+
+        transient = (
+            etcd_errors.ConnectionFailedError,
+            etcd_errors.ConnectionTimeoutError,
+            etcd_errors.InternalServerError,
+            ValueError,  # pyetcd: "Trying to use a failed node"
+        )
+        started = time.monotonic()
+        attempts = 0
+        last = ""
+        while True:
+            index = self._current
+            attempts += 1
+            try:
+                client = self._client(index)
+                return await asyncio.to_thread(fn, client)
+            except grpc.RpcError as exc:
+                if exc.code() not in _TRANSIENT_CODES:  # type: ignore[attr-defined]
+                    raise StoreError(f"etcd {what}: {_describe(exc)}") from exc
+                last = f"{self._specs[index].url}: {_describe(exc)}"
+                self._drop_client(index)
+                self._current = (index + 1) % len(self._specs)
+            except transient as exc:
+                last = f"{self._specs[index].url}: {_describe(exc)}"
+                log.debug("etcd %s failed on %s (attempt %d)", what, last, attempts)
+                self._drop_client(index)
+                self._current = (index + 1) % len(self._specs)
+            elapsed = time.monotonic() - started
+            if elapsed >= self._budget:
+                raise StoreUnavailable(self.endpoints, attempts, elapsed, last)
+            if attempts % len(self._specs) == 0:
+                # Every endpoint failed once this round: pause before the next round.
+                await asyncio.sleep(min(0.2 * attempts, 1.0, self._budget - elapsed))
+
+    # -- Store ----------------------------------------------------------------------------
+
+    async def get(self, key: str) -> KeyValue | None:
+        def op(c: Any) -> KeyValue | None:
+            value, meta = c.get(key)
+            return None if value is None else _kv(value, meta)
+
+        return await self._call(f"get {key}", op)
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        def op(c: Any) -> Snapshot:
+            response = c.get_prefix_response(prefix)
+            kvs = [
+                KeyValue(
+                    kv.key.decode(), bytes(kv.value), kv.create_revision, kv.mod_revision, kv.lease
+                )
+                for kv in response.kvs
+            ]
+            return Snapshot(kvs, response.header.revision)
+
+        return await self._call(f"get prefix {prefix}", op)
+
+    async def read_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
+        def op(c: Any) -> Snapshot:
+            from pyetcd.utils import prefix_range_end
+
+            gets = [c.transactions.get(p, prefix_range_end(p.encode())) for p in prefixes]
+            _, responses = c.transaction(compare=[], success=gets, failure=[])
+            kvs: list[KeyValue] = []
+            revision = 0
+            for rows in responses:
+                for value, meta in rows:
+                    kvs.append(_kv(value, meta))
+                    revision = int(meta.response_header.revision)
+            if revision == 0:  # nothing matched: ask for the header revision alone
+                revision = _revision_of(c)
+            return Snapshot(sorted(kvs, key=lambda kv: kv.key), revision)
+
+        return await self._call("read " + ", ".join(prefixes), op)
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        def op(c: Any) -> int:
+            return int(c.put(key, value, lease=lease).header.revision)
+
+        return await self._call(f"put {key}", op)
+
+    async def delete(self, key: str) -> bool:
+        return await self._call(f"delete {key}", lambda c: bool(c.delete(key)))
+
+    async def txn(
+        self,
+        compares: Sequence[CreateRevisionIs],
+        success: Sequence[Op],
+        read_on_failure: Sequence[str] = (),
+    ) -> TxnResult:
+        def op(c: Any) -> TxnResult:
+            t = c.transactions
+            compare = [t.create(cmp.key) == cmp.revision for cmp in compares]
+            ops = [
+                t.put(o.key, o.value, lease=o.lease) if isinstance(o, Put) else t.delete(o.key)
+                for o in success
+            ]
+            failure = [t.get(k) for k in read_on_failure]
+            succeeded, responses = c.transaction(compare=compare, success=ops, failure=failure)
+            read: dict[str, KeyValue] = {}
+            revision = 0
+            if not succeeded:
+                for rows in responses:
+                    for value, meta in rows:
+                        kv = _kv(value, meta)
+                        read[kv.key] = kv
+                        revision = max(revision, int(meta.response_header.revision))
+            else:
+                for response in responses:
+                    header = getattr(response, "header", None)
+                    if header is None:
+                        inner = getattr(response, response.WhichOneof("response"))
+                        header = inner.header
+                    revision = max(revision, int(header.revision))
+            return TxnResult(bool(succeeded), revision, read)
+
+        return await self._call("transaction", op)
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        return await self._call(f"grant lease ttl={ttl_s}", lambda c: int(c.lease(ttl_s).id))
+
+    async def keepalive(self, lease: int) -> int:
+        def op(c: Any) -> int:
+            ttl = 0
+            for response in c.refresh_lease(lease):
+                ttl = int(response.TTL)
+            return max(ttl, 0)
+
+        return await self._call("lease keepalive", op)
+
+    async def revoke_lease(self, lease: int) -> None:
+        try:
+            await self._call("revoke lease", lambda c: c.revoke_lease(lease))
+        except StoreError as exc:
+            # An already expired lease is not an error when we are letting it go.
+            if "not found" not in str(exc).lower():
+                raise
+
+    async def close(self) -> None:
+        for index in list(self._clients):
+            self._drop_client(index)
+
+
+def _revision_of(client: Any) -> int:
+    """The store's current revision (a range read of one unlikely key returns the header)."""
+    return int(client.get_response("\0").header.revision)
+
+
+def _kv(value: bytes, meta: Any) -> KeyValue:
+    return KeyValue(
+        key=meta.key.decode(),
+        value=bytes(value),
+        create_revision=int(meta.create_revision),
+        mod_revision=int(meta.mod_revision),
+        lease=int(meta.lease_id),
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+    text = str(exc) or type(exc).__name__
+    return text

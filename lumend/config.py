@@ -1,0 +1,821 @@
+"""Node configuration: the TOML file lumend reads at start, typed, and its validation.
+
+Everything is checked at load and every problem is reported at once, each naming the key,
+the bad value and the fix. Code that receives a NodeConfig trusts its types and ranges.
+"""
+
+import difflib
+import enum
+import ipaddress
+import json
+import os
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, Literal, TypeGuard, get_args
+from urllib.parse import urlsplit
+
+import msgspec
+
+DEFAULT_CONFIG_PATH = "/etc/lumen/lumend.toml"
+
+Engine = Literal["vllm", "sim"]
+Eviction = Literal["lru", "shortest_prefix", "longest_prefix_protected", "refuse"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+EVICTIONS: tuple[str, ...] = get_args(Eviction)
+
+MISSING = "<missing>"
+
+_GATEWAY_LISTEN = "0.0.0.0:8000"
+_RPC_LISTEN = "0.0.0.0:7440"
+_CHECKPOINT_LISTEN = "0.0.0.0:7441"
+_METRICS_LISTEN = "0.0.0.0:9440"
+_CHECKPOINT_BUDGET = 20 * 1024**3
+
+# --------------------------------------------------------------------------- value parsers
+
+_SIZE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
+_SIZE_HINT = (
+    'use a size such as "20GiB" or a byte count '
+    "(units: B, KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB powers of 1024)"
+)
+
+
+def parse_size(text: str | int) -> int:
+    """A byte count from "20GiB", "1.5GB", "512" or an int; ValueError says what is wrong."""
+    if isinstance(text, bool):
+        raise ValueError(f"a size cannot be a boolean; {_SIZE_HINT}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"a size cannot be negative; {_SIZE_HINT}")
+        return text
+    match = _SIZE_RE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"not a size; {_SIZE_HINT}")
+    number, unit = match.groups()
+    factor = _SIZE_UNITS.get(unit.lower(), 0) if unit else 1
+    if not factor:
+        raise ValueError(f'unknown unit "{unit}"; {_SIZE_HINT}')
+    size = Decimal(number) * factor
+    if size != size.to_integral_value():
+        raise ValueError(f"not a whole number of bytes; {_SIZE_HINT}")
+    return int(size)
+
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME_RE = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*")
+_PORT_RE = re.compile(r"[0-9]{1,5}")
+_LISTEN_HINT = 'use host:port such as "0.0.0.0:8000" (IPv6 in brackets: "[::1]:8000")'
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """(host, port) from "0.0.0.0:8000" or "[::1]:8000"; ValueError says what is wrong."""
+    return _split_host_port(text, _LISTEN_HINT)
+
+
+def _split_host_port(text: str, hint: str) -> tuple[str, int]:
+    if "://" in text:
+        raise ValueError(f"remove the scheme; {hint}")
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+        if not sep or not _is_ipv6(host):
+            raise ValueError(f"not a bracketed IPv6 address and port; {hint}")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"no port; {hint}")
+        if ":" in host:
+            raise ValueError(f"an IPv6 address needs brackets; {hint}")
+        if not host:
+            raise ValueError(f"no host; {hint}")
+        if not _HOSTNAME_RE.fullmatch(host):
+            raise ValueError(f"not a host name or IP address before the port; {hint}")
+    return host, _parse_port(port_text, hint)
+
+
+def _parse_port(text: str, hint: str) -> int:
+    if not text:
+        raise ValueError(f"no port; {hint}")
+    if not _PORT_RE.fullmatch(text):
+        raise ValueError(f'port "{text}" is not a number; {hint}')
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range 1-65535; {hint}")
+    return port
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+_ENDPOINT_HINT = 'use "http://host:port" or "https://host:port", e.g. "http://10.0.0.1:2379"'
+
+
+def _parse_endpoint(url: str) -> tuple[str, int, bool]:
+    """(host, port, secure) of an etcd endpoint URL; ValueError says what is wrong."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unbalanced IPv6 brackets
+        raise ValueError(f"not a URL; {_ENDPOINT_HINT}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"no http:// or https:// scheme; {_ENDPOINT_HINT}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"only a scheme, host and port are allowed; {_ENDPOINT_HINT}")
+    host, port = _split_host_port(parts.netloc, _ENDPOINT_HINT)
+    return host, port, parts.scheme == "https"
+
+
+# --------------------------------------------------------------------------- typed config
+
+
+class NodeSection(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    address: str  # host name or IP that peers use to reach this node
+
+
+class EtcdSection(msgspec.Struct, frozen=True, kw_only=True):
+    endpoints: list[str]
+    cluster: str = "default"
+    lease_ttl_s: int = 10
+    heartbeat_interval_s: float | None = None  # None: lease_ttl_s / 3
+    request_timeout_s: float = 2.0
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @property
+    def endpoint_addresses(self) -> list[tuple[str, int, bool]]:
+        """(host, port, secure) of each endpoint."""
+        return [_parse_endpoint(url) for url in self.endpoints]
+
+    @property
+    def effective_heartbeat_s(self) -> float:
+        if self.heartbeat_interval_s is None:
+            return self.lease_ttl_s / 3
+        return self.heartbeat_interval_s
+
+
+class ListenSection(msgspec.Struct, frozen=True, kw_only=True):
+    listen: str
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
+class CheckpointSection(msgspec.Struct, frozen=True, kw_only=True):
+    listen: str = _CHECKPOINT_LISTEN
+    budget_bytes: int = _CHECKPOINT_BUDGET  # per worker on this node; 0 holds no checkpoints
+    eviction: Eviction = "lru"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    gpus: list[int]
+    engine: Engine
+    shadows: int = 1
+    model: str
+    draft_model: str | None = None
+    args: list[str] = msgspec.field(default_factory=list)
+    port: int  # the first engine's port; the shadows take the next ones
+
+    @property
+    def engine_ports(self) -> range:
+        """The ports of this worker's engines: the active one and its shadows."""
+        return range(self.port, self.port + self.shadows + 1)
+
+
+class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    node: NodeSection
+    etcd: EtcdSection
+    gateway: ListenSection = msgspec.field(
+        default_factory=lambda: ListenSection(listen=_GATEWAY_LISTEN)
+    )
+    rpc: ListenSection = msgspec.field(default_factory=lambda: ListenSection(listen=_RPC_LISTEN))
+    checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
+    metrics: ListenSection = msgspec.field(
+        default_factory=lambda: ListenSection(listen=_METRICS_LISTEN)
+    )
+    workers: list[WorkerConfig] = msgspec.field(default_factory=list)
+    state_dir: str = "/var/lib/lumen"
+    runtime_dir: str = "/run/lumen"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ConfigProblem(msgspec.Struct, frozen=True):
+    key: str  # dotted path, e.g. "workers[1].gpus"; "<file>" and "<toml>" for the whole file
+    value: str  # the bad value as written in TOML, or "<missing>"
+    fix: str  # what to do
+
+    def __str__(self) -> str:
+        if self.key.startswith("<"):
+            return f"{self.value}: {self.fix}"
+        if self.value == MISSING:
+            return f"{self.key} is missing: {self.fix}"
+        return f"{self.key} = {self.value}: {self.fix}"
+
+
+class ConfigError(Exception):
+    """A config that lumend cannot run with; str() lists every problem, one per line."""
+
+    def __init__(self, source: str, problems: list[ConfigProblem]) -> None:
+        super().__init__(source, problems)
+        self.source = source
+        self.problems = list(problems)
+
+    def __str__(self) -> str:
+        return "\n".join(f"{self.source}: {problem}" for problem in self.problems)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike[str]) -> NodeConfig:
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as file:
+            text = file.read()
+    except FileNotFoundError as exc:
+        fix = f"create {source} (start from examples/lumend.toml) or pass another with --config"
+        raise _file_error(source, f"cannot read the file ({exc.strerror})", fix) from exc
+    except OSError as exc:
+        fix = f"make {source} a file lumend can read, or pass another file with --config"
+        raise _file_error(source, f"cannot read the file ({exc.strerror})", fix) from exc
+    except UnicodeDecodeError as exc:
+        raise _file_error(source, f"not UTF-8 text ({exc.reason})", "save it as UTF-8") from exc
+    return parse_config(text, source)
+
+
+def parse_config(text: str, source: str = "<string>") -> NodeConfig:
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        problem = ConfigProblem(key="<toml>", value=str(exc), fix="fix the TOML syntax")
+        raise ConfigError(source, [problem]) from exc
+    problems: list[ConfigProblem] = []
+    data = _validate(document, problems)
+    if problems:
+        raise ConfigError(source, problems)
+    return msgspec.convert(data, NodeConfig)
+
+
+def _file_error(source: str, value: str, fix: str) -> ConfigError:
+    return ConfigError(source, [ConfigProblem(key="<file>", value=value, fix=fix)])
+
+
+# --------------------------------------------------------------------------- validation
+
+_TOP_KEYS: tuple[str, ...] = ("node", "etcd", "gateway", "rpc", "checkpoint", "metrics")
+_TOP_KEYS += ("workers", "state_dir", "runtime_dir")
+_NODE_KEYS = ("name", "address")
+_ETCD_KEYS: tuple[str, ...] = ("endpoints", "cluster", "lease_ttl_s", "heartbeat_interval_s")
+_ETCD_KEYS += ("request_timeout_s", "ca_cert", "cert", "key")
+_CHECKPOINT_KEYS = ("listen", "budget_bytes", "eviction")
+_WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "args", "port")
+_SERVICES = {  # section -> (its keys, default listen address)
+    "gateway": (("listen",), _GATEWAY_LISTEN),
+    "rpc": (("listen",), _RPC_LISTEN),
+    "checkpoint": (_CHECKPOINT_KEYS, _CHECKPOINT_LISTEN),
+    "metrics": (("listen",), _METRICS_LISTEN),
+}
+_TLS_EXAMPLES = {
+    "ca_cert": '"/etc/lumen/etcd-ca.pem"',
+    "cert": '"/etc/lumen/etcd-client.pem"',
+    "key": '"/etc/lumen/etcd-client-key.pem"',
+}
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_NAME_FIX = (
+    'use 1-63 letters, digits, ".", "_" or "-", starting with a letter or digit '
+    "(it becomes an etcd key segment)"
+)
+_ROOT_LABEL = "the top level"
+
+
+class _Absent(enum.Enum):
+    ABSENT = enum.auto()
+
+
+_ABSENT = _Absent.ABSENT
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _show(value: object) -> str:
+    """The value as it would be written in TOML, shortened for a one-line message."""
+    text = _toml_text(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _toml_text(value: object) -> str:
+    if value is _ABSENT:
+        return MISSING
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_text(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_text(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+class _Table:
+    """One TOML table under validation: reads its keys, records problems under its path.
+
+    Each reader returns the value when it is good, the default when the key is absent and
+    None when it is bad (the problem is recorded); good values are kept in `values`.
+    """
+
+    def __init__(
+        self,
+        data: dict[str, Any],
+        path: str,
+        label: str,
+        problems: list[ConfigProblem],
+        known: tuple[str, ...],
+    ) -> None:
+        self.data = data
+        self.path = path
+        self.label = label
+        self.problems = problems
+        self.values: dict[str, Any] = {}
+        for name, value in data.items():
+            if name not in known:
+                self.problem(name, value, self._unknown_key_fix(name, known))
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def problem(self, name: str, value: object, fix: str, *, default: bool = False) -> None:
+        shown = _show(value) + (" (the default)" if default else "")
+        self.problems.append(ConfigProblem(key=self.key(name), value=shown, fix=fix))
+
+    def _unknown_key_fix(self, name: str, known: tuple[str, ...]) -> str:
+        if self.label != _ROOT_LABEL and name in ("state_dir", "runtime_dir"):
+            # TOML puts every key after a [section] header into that section.
+            return f"{name} is a top-level key: move it above the first [section] header"
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            return f'unknown key; did you mean "{close[0]}"?'
+        return f"unknown key in {self.label}; the keys there are: {', '.join(known)}"
+
+    def raw(self, name: str, example: str, *, required: bool = False) -> object:
+        if name in self.data:
+            return self.data[name]
+        if required:
+            self.problem(name, _ABSENT, f"add {name} = {example} to {self.label}")
+        return _ABSENT
+
+    def wrong_type(self, name: str, value: object, expected: str, example: str) -> None:
+        self.problem(name, value, f"expected {expected}, e.g. {name} = {example}")
+
+    def text(
+        self, name: str, example: str, *, required: bool = False, default: str | None = None
+    ) -> str | None:
+        value = self.raw(name, example, required=required)
+        if value is _ABSENT:
+            return default
+        if not isinstance(value, str):
+            self.wrong_type(name, value, "a string", example)
+            return None
+        self.values[name] = value
+        return value
+
+    def choice(self, name: str, options: tuple[str, ...], *, required: bool = False) -> str | None:
+        value = self.text(name, json.dumps(options[0]), required=required)
+        if value is not None and value not in options:
+            self.problem(name, value, "use one of " + ", ".join(map(json.dumps, options)))
+            return None
+        return value
+
+    def integer(
+        self,
+        name: str,
+        example: str,
+        low: int,
+        high: int,
+        *,
+        required: bool = False,
+        default: int | None = None,
+    ) -> int | None:
+        value = self.raw(name, example, required=required)
+        if value is _ABSENT:
+            return default
+        if not _is_int(value):
+            self.wrong_type(name, value, "an integer", example)
+            return None
+        if not low <= value <= high:
+            self.problem(name, value, f"use an integer from {low} to {high}")
+            return None
+        self.values[name] = value
+        return value
+
+    def number(self, name: str, example: str, *, default: float | None = None) -> float | None:
+        value = self.raw(name, example)
+        if value is _ABSENT:
+            return default
+        if not _is_number(value):
+            self.wrong_type(name, value, "a number", example)
+            return None
+        self.values[name] = float(value)
+        return float(value)
+
+    def items(
+        self,
+        name: str,
+        example: str,
+        kind: str,
+        accept: Callable[[object], bool],
+        *,
+        required: bool = False,
+        nonempty: bool = False,
+        check: Callable[[Any], str | None] | None = None,
+    ) -> list[Any] | None:
+        """A list whose items all pass `accept` and then `check` (which returns a fix or None);
+        each bad item is its own problem."""
+        value = self.raw(name, example, required=required)
+        if value is _ABSENT:
+            return None
+        if not isinstance(value, list):
+            self.wrong_type(name, value, f"a list of {kind}s", example)
+            return None
+        good = True
+        if nonempty and not value:
+            self.problem(name, value, f"list at least one, e.g. {name} = {example}")
+            good = False
+        article = "an" if kind[0] in "aeiou" else "a"
+        for index, item in enumerate(value):
+            fix = f"expected {article} {kind}, e.g. {example}" if not accept(item) else None
+            fix = fix or (check(item) if check else None)
+            if fix:
+                self.problem(f"{name}[{index}]", item, fix)
+                good = False
+        if not good:
+            return None
+        self.values[name] = value
+        return value
+
+    def table(self, name: str, known: tuple[str, ...], *, needs: str = "") -> "_Table | None":
+        """The sub-table `name` (empty when absent); None when it is bad or a needed one is
+        absent (`needs` says what it must hold)."""
+        value = self.data.get(name, _ABSENT)
+        if value is _ABSENT and needs:
+            self.problem(name, _ABSENT, f"add the [{name}] section with {needs}")
+            return None
+        if value is _ABSENT:
+            value = {}
+        if not isinstance(value, dict):
+            fix = f"expected a table: write a [{name}] header with its keys on the lines below"
+            self.problem(name, value, fix)
+            return None
+        return _Table(value, self.key(name), f"[{name}]", self.problems, known)
+
+    def tables(self, name: str, known: tuple[str, ...]) -> "list[_Table]":
+        """The array of tables `name` ([[name]] entries); empty when absent or bad."""
+        value = self.data.get(name, [])
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            fix = f"write each entry as a [[{name}]] header (double brackets) with its keys below"
+            self.problem(name, value, fix)
+            return []
+        path = self.key(name)
+        return [
+            _Table(item, f"{path}[{index}]", f"[[{name}]]", self.problems, known)
+            for index, item in enumerate(value)
+        ]
+
+
+def _validate(document: dict[str, Any], problems: list[ConfigProblem]) -> dict[str, Any]:
+    """The document's values ready for msgspec.convert, appending every problem found."""
+    root = _Table(document, "", _ROOT_LABEL, problems, _TOP_KEYS)
+    _check_dirs(root)
+    config: dict[str, Any] = {"node": _check_node(root), "etcd": _check_etcd(root)}
+    services: list[tuple[_Table, int]] = []
+    for name, (known, default_listen) in _SERVICES.items():
+        table = root.table(name, known)
+        if table is None:
+            continue
+        port = _check_listen(table, default_listen)
+        if name == "checkpoint":
+            _check_checkpoint(table)
+        if port is not None:
+            services.append((table, port))
+        config[name] = table.values
+    _check_service_ports(services)
+    listen_ports = [(table.key("listen"), port) for table, port in services]
+    config["workers"] = _check_workers(root, listen_ports)
+    return {**root.values, **config}
+
+
+def _check_dirs(root: _Table) -> None:
+    for name, default in (("state_dir", "/var/lib/lumen"), ("runtime_dir", "/run/lumen")):
+        path = root.text(name, f'"{default}"')
+        if path is not None and not os.path.isabs(path):
+            root.problem(name, path, f'use an absolute path, e.g. {name} = "{default}"')
+
+
+def _check_name(table: _Table, key: str, name: str | None) -> None:
+    if name is not None and not _NAME_RE.fullmatch(name):
+        table.problem(key, name, _NAME_FIX)
+
+
+def _check_node(root: _Table) -> dict[str, Any]:
+    node = root.table("node", _NODE_KEYS, needs='name = "gpu-node-1" and address = "10.0.0.11"')
+    if node is None:
+        return {}
+    _check_name(node, "name", node.text("name", '"gpu-node-1"', required=True))
+    address = node.text("address", '"10.0.0.11"', required=True)
+    fix = None if address is None else _address_fix(address)
+    if fix is not None:
+        node.problem("address", address, fix)
+    return node.values
+
+
+def _address_fix(address: str) -> str | None:
+    """What is wrong with an advertised node address, or None if it is fine."""
+    example = 'e.g. "10.0.0.11" or "gpu-node-1.example.com"'
+    if "://" in address:
+        return f"remove the scheme: give only the host name or IP address, {example}"
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_unspecified:
+        return f"peers cannot reach an unspecified address: give this node's own address, {example}"
+    if ip is not None:
+        return "remove the brackets around the IPv6 address" if address.startswith("[") else None
+    if ":" in address:
+        return f"remove the port (each service sets its own in its section), {example}"
+    if not _HOSTNAME_RE.fullmatch(address):
+        return f"give the host name or IP address peers use to reach this node, {example}"
+    return None
+
+
+def _check_etcd(root: _Table) -> dict[str, Any]:
+    etcd = root.table("etcd", _ETCD_KEYS, needs='endpoints = ["http://10.0.0.1:2379"]')
+    if etcd is None:
+        return {}
+    secure = _check_endpoints(etcd)
+    _check_name(etcd, "cluster", etcd.text("cluster", '"prod"'))
+    _check_timings(etcd)
+    _check_tls(etcd, secure)
+    return etcd.values
+
+
+def _check_endpoints(etcd: _Table) -> bool:
+    """Checks etcd.endpoints; returns whether any of them uses https."""
+    example = '["http://10.0.0.1:2379"]'
+    etcd.items(
+        "endpoints", example, "string", _is_str, required=True, nonempty=True, check=_url_fix
+    )
+    endpoints = etcd.data.get("endpoints")
+    return isinstance(endpoints, list) and any(
+        isinstance(url, str) and url.lower().startswith("https://") for url in endpoints
+    )
+
+
+def _url_fix(url: str) -> str | None:
+    try:
+        _parse_endpoint(url)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _check_timings(etcd: _Table) -> None:
+    ttl = etcd.integer("lease_ttl_s", "10", 2, 300, default=10)
+    checks = (
+        ("heartbeat_interval_s", "3.0", None, "or remove it to use lease_ttl_s / 3"),
+        ("request_timeout_s", "2.0", 2.0, "a request must not outlive the lease renewal window"),
+    )
+    for name, example, default, why in checks:
+        value = etcd.number(name, example, default=default)
+        if value is None:
+            continue
+        limit = float("inf") if ttl is None else ttl / 2
+        if not 0 < value < limit:
+            fix = "use a number above 0"
+            if ttl is not None:
+                fix += f" and below lease_ttl_s / 2 ({limit:g}), or raise lease_ttl_s; {why}"
+            etcd.problem(name, value, fix, default=name not in etcd.data)
+
+
+def _check_tls(etcd: _Table, secure: bool) -> None:
+    for name, example in _TLS_EXAMPLES.items():
+        path = etcd.text(name, example)
+        if path is not None and not os.path.isfile(path):
+            etcd.problem(name, path, "no such file; put the file there or remove the key")
+    if secure and "ca_cert" not in etcd.data:
+        fix = (
+            "https endpoints need the CA certificate of the etcd servers: "
+            f"add ca_cert = {_TLS_EXAMPLES['ca_cert']} to [etcd], or use http:// endpoints"
+        )
+        etcd.problem("ca_cert", _ABSENT, fix)
+    for given, lacking in (("cert", "key"), ("key", "cert")):
+        if given in etcd.data and lacking not in etcd.data:
+            fix = (
+                f"a client certificate needs both cert and key: "
+                f"add {lacking} = {_TLS_EXAMPLES[lacking]}, or remove {given}"
+            )
+            etcd.problem(lacking, _ABSENT, fix)
+
+
+def _check_listen(table: _Table, default: str) -> int | None:
+    """Checks table.listen (filling in the default); returns its port when it is good."""
+    listen = table.text("listen", f'"{default}"', default=default)
+    if listen is None:
+        return None
+    table.values["listen"] = listen
+    try:
+        return parse_listen(listen)[1]
+    except ValueError as exc:
+        table.problem("listen", listen, str(exc))
+        return None
+
+
+def _check_checkpoint(table: _Table) -> None:
+    table.choice("eviction", EVICTIONS)
+    value = table.raw("budget_bytes", '"20GiB"')
+    if value is _ABSENT:
+        return
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        table.problem("budget_bytes", value, _SIZE_HINT)
+        return
+    try:
+        table.values["budget_bytes"] = parse_size(value)
+    except ValueError as exc:
+        table.problem("budget_bytes", value, str(exc))
+
+
+def _check_service_ports(services: list[tuple[_Table, int]]) -> None:
+    owners: dict[int, str] = {}
+    for table, port in services:
+        owner = owners.setdefault(port, table.key("listen"))
+        if owner != table.key("listen"):
+            fix = f"port {port} is already used by {owner}; give each service its own port"
+            table.problem("listen", table.values["listen"], fix, default="listen" not in table.data)
+
+
+@dataclass(frozen=True, eq=False)
+class _Worker:
+    """What the checks across workers need to know about one [[workers]] entry."""
+
+    table: _Table
+    name: str | None
+    gpus: list[int]
+    ports: range | None
+
+    def __str__(self) -> str:
+        return self.table.path if self.name is None else f'{self.table.path} "{self.name}"'
+
+
+def _check_workers(root: _Table, listen_ports: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    workers = [_check_worker(table) for table in root.tables("workers", _WORKER_KEYS)]
+    _check_unique_names(workers)
+    _check_shared_gpus(workers)
+    _check_port_ranges(workers, listen_ports)
+    return [worker.table.values for worker in workers]
+
+
+def _check_worker(table: _Table) -> _Worker:
+    name = table.text("name", '"gpu-node-1-w0"', required=True)
+    _check_name(table, "name", name)
+    gpus = _check_gpus(table)
+    table.choice("engine", ENGINES, required=True)
+    shadows = table.integer("shadows", "1", 0, 4, default=1)
+    for key, example, required in (
+        ("model", '"/models/Qwen3-32B"', True),
+        ("draft_model", '"/models/Qwen3-1.7B"', False),
+    ):
+        model = table.text(key, example, required=required)
+        if model is not None and not model.strip():
+            table.problem(key, model, f"give a model path or name, e.g. {key} = {example}")
+    table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str)
+    port = table.integer("port", "8100", 1, 65535, required=True)
+    return _Worker(table, name, gpus, _engine_ports(table, port, shadows))
+
+
+def _is_str(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _check_gpus(table: _Table) -> list[int]:
+    """Checks workers[i].gpus; returns its distinct indices when they are all good."""
+    gpus = table.items(
+        "gpus", "[0, 1]", "integer", _is_int, required=True, nonempty=True, check=_gpu_fix
+    )
+    if gpus is None:
+        return []
+    if len(set(gpus)) != len(gpus):
+        table.problem("gpus", gpus, "list each GPU once")
+    return sorted(set(gpus))
+
+
+def _gpu_fix(gpu: int) -> str | None:
+    return "GPU indices start at 0 (as nvidia-smi numbers them)" if gpu < 0 else None
+
+
+def _engine_ports(table: _Table, port: int | None, shadows: int | None) -> range | None:
+    if port is None or shadows is None:
+        return None
+    last = port + shadows
+    if last > 65535:
+        fix = f"port + shadows ({last}) is above 65535; use a lower port"
+        table.problem("port", port, fix)
+        return None
+    return range(port, last + 1)
+
+
+def _check_unique_names(workers: list[_Worker]) -> None:
+    first: dict[str, _Worker] = {}
+    for worker in workers:
+        if worker.name is None:
+            continue
+        owner = first.setdefault(worker.name, worker)
+        if owner is not worker:
+            fix = f"already used by {owner.table.path}; give each worker its own name"
+            worker.table.problem("name", worker.name, fix)
+
+
+def _check_shared_gpus(workers: list[_Worker]) -> None:
+    owners: dict[int, _Worker] = {}
+    for worker in workers:
+        shared: dict[str, list[int]] = {}  # owning worker -> the GPUs it already uses
+        for gpu in worker.gpus:
+            owner = owners.setdefault(gpu, worker)
+            if owner is not worker:
+                shared.setdefault(str(owner), []).append(gpu)
+        for owner_name, gpus in shared.items():
+            listed = ", ".join(map(str, gpus))
+            what = f"GPU {listed} is" if len(gpus) == 1 else f"GPUs {listed} are"
+            fix = f"{what} already used by {owner_name}; give each worker its own GPUs"
+            worker.table.problem("gpus", worker.table.data["gpus"], fix)
+
+
+def _check_port_ranges(workers: list[_Worker], listen_ports: list[tuple[str, int]]) -> None:
+    """Each worker's engines use ports port .. port + shadows; they must not collide."""
+    ranges = [(worker, worker.ports) for worker in workers if worker.ports is not None]
+    for index, (worker, ports) in enumerate(ranges):
+        clashes = [f"{key} port {port}" for key, port in listen_ports if port in ports]
+        clashes += [
+            f"{other} ({_span(other_ports)})"
+            for other, other_ports in ranges[:index]
+            if _overlap(ports, other_ports)
+        ]
+        if not clashes:
+            continue
+        taken = [range(port, port + 1) for _, port in listen_ports]
+        taken += [other_ports for other, other_ports in ranges if other is not worker]
+        free = _free_port(ports, taken)
+        fix = f"ports {_span(ports)} (port .. port + shadows) overlap {', '.join(clashes)}"
+        fix += "; give each worker a range of its own" + (f", e.g. port = {free}" if free else "")
+        worker.table.problem("port", ports.start, fix)
+
+
+def _span(ports: range) -> str:
+    return str(ports.start) if len(ports) == 1 else f"{ports.start}-{ports[-1]}"
+
+
+def _overlap(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop
+
+
+def _free_port(ports: range, taken: list[range]) -> int | None:
+    """The lowest start at or above ports.start for a range as wide as ports that is free."""
+    start = ports.start
+    moved = True
+    while moved:
+        moved = False
+        for other in taken:
+            if _overlap(range(start, start + len(ports)), other):
+                start, moved = other.stop, True
+    return start if start + len(ports) - 1 <= 65535 else None

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs what LUMEN needs from the OS, or says exactly what is missing.
+#   etcd-server      the etcd binary (tests and `make demo` start their own members)
+#   libsystemd-dev   headers for the `systemd` extra (systemd-python), with pkg-config
+set -euo pipefail
+
+missing=()
+command -v etcd >/dev/null 2>&1 || [ -n "${LUMEN_ETCD_BIN:-}" ] || missing+=(etcd-server)
+if ! command -v pkg-config >/dev/null 2>&1; then
+    missing+=(pkg-config libsystemd-dev)
+elif ! pkg-config --exists libsystemd; then
+    missing+=(libsystemd-dev)
+fi
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing ${missing[*]} with apt-get" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; then
+        apt-get update >/dev/null
+        apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+    # Debian's package starts an etcd on 2379 where systemd runs; ours start their own.
+    exit 0
+fi
+
+cat >&2 <<MSG
+LUMEN needs these system packages, which are missing: ${missing[*]}
+Install them as root, for example on Debian or Ubuntu:
+    apt-get install -y ${missing[*]}
+(or point LUMEN_ETCD_BIN at an etcd binary), then run make again.
+MSG
+exit 1

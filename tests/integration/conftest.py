@@ -1,0 +1,77 @@
+"""Fixtures that start real etcd members and real lumend processes, and stop them by pid."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from lumend.cluster.keys import Keys
+from lumend.cluster.store import EtcdStore
+from lumend.cluster.view import ClusterView, build_view
+from lumenctl.localcluster import EtcdCluster, LocalCluster
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path / "etcd", size=1)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def etcd3(tmp_path: Path) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path / "etcd", size=3)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def local_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    """Factory: `local_cluster(size=3, lease_ttl_s=3, etcd_members=1)`, stopped at teardown."""
+    started: list[LocalCluster] = []
+
+    def make(**kwargs: object) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / f"cluster{len(started)}", **kwargs)  # type: ignore[arg-type]
+        started.append(cluster)
+        return cluster.start()
+
+    try:
+        yield make
+    finally:
+        for cluster in started:
+            cluster.stop()
+
+
+def read_view(endpoints: list[str], cluster: str) -> ClusterView:
+    async def go() -> ClusterView:
+        store = EtcdStore(endpoints, request_timeout_s=1.0)
+        try:
+            keys = Keys(cluster)
+            return build_view(keys, await store.get_prefix(keys.root))
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
+    """Poll `probe` until it returns something truthy; fail naming `what` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
