@@ -10,12 +10,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from lumend.cluster.keys import Keys
-from lumend.cluster.store import EtcdStore
-from lumend.cluster.view import ClusterView, build_view
 from lumenctl.localcluster import LocalCluster
 from lumenctl.render import events_table, status_tables
 from lumenctl.report import events_document, status_document
+from lumend.cluster.keys import Keys
+from lumend.cluster.store import EtcdStore
+from lumend.cluster.view import ClusterView, build_view
 
 
 def read_view(endpoints: list[str], cluster: str) -> ClusterView:

@@ -14,19 +14,19 @@ import time
 import tomllib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 
+from lumenctl.render import as_json, as_yaml, events_table, status_tables
+from lumenctl.report import events_document, status_document
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import Event, Intent, encode_value
 from lumend.cluster.store import Delete, EtcdStore, Put, StoreError, StoreUnavailable, TlsFiles
 from lumend.cluster.view import ClusterView, build_view
-from lumenctl.render import as_json, as_yaml, events_table, status_tables
-from lumenctl.report import events_document, status_document
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -39,7 +39,7 @@ DEFAULT_WATCH_S = 2.0
 T = TypeVar("T")
 
 
-class Output(str, Enum):
+class Output(StrEnum):
     table = "table"
     json = "json"
     yaml = "yaml"

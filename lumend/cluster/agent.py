@@ -8,6 +8,7 @@ log line and the node's published status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -162,7 +163,6 @@ class ClusterAgent:
         return await self._decide_role(view)
 
     async def _decide_role(self, view: ClusterView) -> str:
-        me = self._me.name
         current = view.coordinator
         mine = current is not None and current.lease == self.lease.lease_id
         if self.epoch is not None and (not mine or current is None or current.epoch != self.epoch):
@@ -358,7 +358,5 @@ class _Backoff:
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    try:
+    with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except TimeoutError:
-        pass

@@ -248,7 +248,7 @@ class EtcdStore:
                 client = self._client(index)
                 return await asyncio.to_thread(fn, client)
             except grpc.RpcError as exc:
-                if exc.code() not in _TRANSIENT_CODES:  # type: ignore[attr-defined]
+                if exc.code() not in _TRANSIENT_CODES:
                     raise StoreError(f"etcd {what}: {_describe(exc)}") from exc
                 last = f"{self._specs[index].url}: {_describe(exc)}"
                 self._drop_client(index)
@@ -390,6 +390,6 @@ def _kv(value: bytes, meta: Any) -> KeyValue:
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        return f"{exc.code().name}: {exc.details()}"
     text = str(exc) or type(exc).__name__
     return text

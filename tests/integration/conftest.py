@@ -10,10 +10,10 @@ from typing import TypeVar
 
 import pytest
 
+from lumenctl.localcluster import EtcdCluster, LocalCluster
 from lumend.cluster.keys import Keys
 from lumend.cluster.store import EtcdStore
 from lumend.cluster.view import ClusterView, build_view
-from lumenctl.localcluster import EtcdCluster, LocalCluster
 
 T = TypeVar("T")
 

@@ -7,11 +7,11 @@ import signal
 import time
 from collections.abc import Callable
 
+from lumenctl.localcluster import LocalCluster
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import Event, decode_value
 from lumend.cluster.store import EtcdStore, KeyValue
 from lumend.cluster.view import ClusterView
-from lumenctl.localcluster import LocalCluster
 
 from .conftest import read_view, wait_until
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from lumenctl.localcluster import EtcdCluster
 from lumend.cluster.election import Election
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import CoordinatorRecord
 from lumend.cluster.store import EtcdStore, Put
-from lumenctl.localcluster import EtcdCluster
 
 KEYS = Keys("t")
 

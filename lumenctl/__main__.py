@@ -1,0 +1,3 @@
+from lumenctl.main import main
+
+main()
