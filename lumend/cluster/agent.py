@@ -28,7 +28,15 @@ from lumend.cluster.models import (
     WorkerRecord,
     encode_value,
 )
-from lumend.cluster.store import Delete, Op, Put, Store, StoreError, StoreUnavailable
+from lumend.cluster.store import (
+    Delete,
+    Op,
+    Put,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    WatchHandle,
+)
 from lumend.cluster.view import ClusterView, build_view
 
 log = logging.getLogger(__name__)
@@ -97,6 +105,10 @@ class ClusterAgent:
         self._status_body = b""
         self._event_seq = 0
         self._reported_problems: set[str] = set()
+        # Woken by a watch on the coordinator key, so a resignation or an expired lease is
+        # acted on at once rather than at the next tick.
+        self._wake = asyncio.Event()
+        self._watch: WatchHandle | None = None
         self._read_prefixes = [
             keys.nodes,
             keys.workers,
@@ -114,10 +126,13 @@ class ClusterAgent:
     async def run(self, stop: asyncio.Event) -> None:
         keepalive = asyncio.create_task(self._keepalive_loop(stop), name="lease-keepalive")
         backoff = _Backoff(0.5, 10.0)
+        loop = asyncio.get_running_loop()
         try:
             while not stop.is_set():
                 delay = self._timing.loop_s
+                self._wake.clear()
                 try:
+                    await self._arm_watch(loop)
                     sentence = await self.cycle()
                     backoff.reset()
                 except StoreUnavailable as exc:
@@ -129,10 +144,24 @@ class ClusterAgent:
                     self.lease.forget()  # e.g. "lease not found": start over with a new lease
                     delay = backoff.next()
                 self._say(sentence)
-                await _sleep_unless(stop, delay)
+                await _pause(delay, stop, self._wake)
         finally:
+            if self._watch is not None:
+                self._watch.cancel()
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
+
+    async def _arm_watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._watch is not None and self._watch.alive:
+            return
+        def wake() -> None:  # runs on the watch's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+                loop.call_soon_threadsafe(self._wake.set)
+
+        try:
+            self._watch = await self._store.watch_key(self._keys.coordinator, wake)
+        except StoreError:
+            self._watch = None  # polling still works; try again next cycle
 
     async def _keepalive_loop(self, stop: asyncio.Event) -> None:
         warned = False
@@ -145,7 +174,7 @@ class ClusterAgent:
                 if not warned:
                     log.warning("lease keepalive failed: %s", exc)
                     warned = True
-            await _sleep_unless(stop, self._timing.lease_ttl_s / 3)
+            await _pause(self._timing.lease_ttl_s / 3, stop)
 
     async def cycle(self) -> str:
         """One HA cycle: register if needed, read, decide, act. Returns what it did."""
@@ -357,6 +386,11 @@ class _Backoff:
         self._next = self._first
 
 
-async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
+async def _pause(seconds: float, *events: asyncio.Event) -> None:
+    """Sleep `seconds`, or less if any of `events` is set."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

@@ -82,6 +82,22 @@ class TxnResult:
     read: dict[str, KeyValue] = field(default_factory=dict)
 
 
+class WatchHandle:
+    """A live watch; `alive` turns False when its stream breaks (the owner re-arms it)."""
+
+    def __init__(self) -> None:
+        self.alive = True
+        self._cancel: Callable[[], None] | None = None
+
+    def cancel(self) -> None:
+        self.alive = False
+        if self._cancel is not None:
+            try:
+                self._cancel()
+            except Exception:  # the stream may already be gone; nothing is left to cancel
+                log.debug("cancelling a watch failed", exc_info=True)
+
+
 class StoreError(Exception):
     """The store answered, but not as asked (a bug or a misconfigured server)."""
 
@@ -128,6 +144,11 @@ class Store(Protocol):
     ) -> TxnResult: ...
 
     async def grant_lease(self, ttl_s: int) -> int: ...
+
+    async def watch_key(self, key: str, on_change: Callable[[], None]) -> WatchHandle:
+        """Call `on_change` (from another thread) whenever `key` changes, and once more if
+        the watch breaks; the handle then reads `alive == False`."""
+        ...
 
     async def keepalive(self, lease: int) -> int:
         """Renew `lease` once; returns the remaining TTL in seconds, 0 when it has expired."""
@@ -350,6 +371,21 @@ class EtcdStore:
 
     async def grant_lease(self, ttl_s: int) -> int:
         return await self._call(f"grant lease ttl={ttl_s}", lambda c: int(c.lease(ttl_s).id))
+
+    async def watch_key(self, key: str, on_change: Callable[[], None]) -> WatchHandle:
+        handle = WatchHandle()
+
+        def callback(response: Any) -> None:
+            if response is None or isinstance(response, BaseException):
+                handle.alive = False
+            on_change()
+
+        def op(c: Any) -> None:
+            watch_id = c.add_watch_callback(key, callback)
+            handle._cancel = lambda: c.cancel_watch(watch_id)
+
+        await self._call(f"watch {key}", op)
+        return handle
 
     async def keepalive(self, lease: int) -> int:
         def op(c: Any) -> int:
