@@ -21,6 +21,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 from rich.console import Console
 
+from lumenctl import sim_cmd
 from lumenctl.render import as_json, as_yaml, events_table, status_tables
 from lumenctl.report import events_document, status_document
 from lumend.cluster.keys import Keys
@@ -315,6 +316,9 @@ def demo(
         run_demo(c.console, nodes, lease_ttl_s, keep)
     except (TimeoutError, RuntimeError) as exc:
         _fail(EXIT_FAILED, f"demo failed: {exc}")
+
+
+sim_cmd.register(app)
 
 
 # -- plumbing ---------------------------------------------------------------------------
