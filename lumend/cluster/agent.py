@@ -45,6 +45,14 @@ EVENTS_KEPT = 1000
 
 
 @dataclass(frozen=True)
+class CycleReport:
+    """One finished iteration of the HA loop, for the watchdog and metrics."""
+
+    duration_s: float
+    outcome: str  # "ok", "etcd_unavailable" or "etcd_error"
+
+
+@dataclass(frozen=True)
 class NodeIdentity:
     """What this node advertises; fixed for the life of the process."""
 
@@ -105,6 +113,13 @@ class ClusterAgent:
         self._status_body = b""
         self._event_seq = 0
         self._reported_problems: set[str] = set()
+        # Read by the daemon's watchdog, sd_notify and metrics (lumend/notify.py, metrics.py).
+        self.cycles = 0
+        self.last_cycle_at: float | None = None  # monotonic end of the last loop iteration
+        self.elections_won = 0
+        self.step_downs = 0
+        self.keepalive_failures = 0
+        self.cycle_listeners: list[Callable[[CycleReport], None]] = []
         # Woken by a watch on the coordinator key, so a resignation or an expired lease is
         # acted on at once rather than at the next tick.
         self._wake = asyncio.Event()
@@ -121,6 +136,11 @@ class ClusterAgent:
     def is_coordinator(self) -> bool:
         return self.epoch is not None
 
+    @property
+    def registered(self) -> bool:
+        """Whether this node's keys are written on the lease it holds now."""
+        return self.lease.held and self._heartbeat_lease == self.lease.lease_id
+
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -131,6 +151,8 @@ class ClusterAgent:
             while not stop.is_set():
                 delay = self._timing.loop_s
                 self._wake.clear()
+                started = self._mono()
+                outcome = "ok"
                 try:
                     await self._arm_watch(loop)
                     sentence = await self.cycle()
@@ -139,11 +161,14 @@ class ClusterAgent:
                     sentence = self._lost_contact(f"waiting for etcd at {', '.join(exc.endpoints)}"
                                                   f" ({exc.last})")
                     delay = backoff.next()
+                    outcome = "etcd_unavailable"
                 except StoreError as exc:
                     sentence = self._lost_contact(f"etcd refused a request: {exc}")
                     self.lease.forget()  # e.g. "lease not found": start over with a new lease
                     delay = backoff.next()
+                    outcome = "etcd_error"
                 self._say(sentence)
+                self._cycle_done(CycleReport(self._mono() - started, outcome))
                 await _pause(delay, stop, self._wake)
         finally:
             if self._watch is not None:
@@ -171,6 +196,7 @@ class ClusterAgent:
                     await self.lease.renew()
                 warned = False
             except StoreError as exc:
+                self.keepalive_failures += 1
                 if not warned:
                     log.warning("lease keepalive failed: %s", exc)
                     warned = True
@@ -225,6 +251,7 @@ class ClusterAgent:
         if epoch is None:
             return "lost the election; following the winner"
         self.epoch = epoch
+        self.elections_won += 1
         self.fence.observe(epoch)
         previous = view.coordinator_status
         after = f" after {previous.node} (epoch {previous.epoch})" if previous else ""
@@ -278,6 +305,7 @@ class ClusterAgent:
 
     def _step_down(self, why: str) -> str:
         epoch, self.epoch = self.epoch, None
+        self.step_downs += 1
         sentence = f"stepped down as coordinator (epoch {epoch}): {why}"
         log.warning("%s", sentence)
         return sentence
@@ -351,6 +379,12 @@ class ClusterAgent:
                         exc, self.lease.ttl_s)
 
     # -- logging --------------------------------------------------------------------------
+
+    def _cycle_done(self, report: CycleReport) -> None:
+        self.cycles += 1
+        self.last_cycle_at = self._mono()
+        for listener in self.cycle_listeners:
+            listener(report)
 
     def _say(self, sentence: str) -> None:
         if sentence != self.status:
