@@ -74,7 +74,7 @@ def events_table(doc: dict[str, Any]) -> RenderableType:
 def _engines(engines: list[dict[str, Any]]) -> str:
     if not engines:
         return "-"
-    return " ".join(f"{e['role']}:{e['state']}" for e in engines)
+    return " ".join(f"{e['id'].rsplit('/', 1)[-1]}:{e['state']}" for e in engines)
 
 
 def _load(load: dict[str, Any]) -> str:

@@ -17,10 +17,10 @@ NodeState = Literal["up", "stopping"]
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
+    id: str
     role: Literal["active", "shadow"]
     state: str
-    port: int
+    url: str
     pid: int | None = None
 
 

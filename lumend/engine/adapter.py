@@ -1,0 +1,118 @@
+"""Engine adapters: how lumend starts an engine of a kind and learns what it is doing.
+
+Both kinds serve the same HTTP surface (DESIGN.md section 6); an adapter knows the command
+line and how to read the engine's lifecycle state. The supervisor owns processes, probes
+and restarts; adapters hold no state of their own.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+ENGINE_STATES = ("initialising", "standby", "active", "releasing")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine slot of a worker."""
+
+    engine_id: str
+    host: str
+    port: int
+    model: str
+    args: tuple[str, ...]
+    gms_socket: str | None
+    failover_lock: str
+    seed: int = 0
+    time_scale: float = 1.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class EngineAdapter(Protocol):
+    kind: str
+
+    def command(self, spec: EngineSpec) -> list[str]: ...
+
+    async def probe(self, session: aiohttp.ClientSession, spec: EngineSpec) -> str:
+        """The engine's lifecycle state (one of ENGINE_STATES); raises when unreachable."""
+        ...
+
+    async def release(self, session: aiohttp.ClientSession, spec: EngineSpec,
+                      drain_timeout_s: float) -> None:
+        """Planned switchover: finish, sleep, hand the failover lock to a shadow."""
+        ...
+
+    async def load(self, session: aiohttp.ClientSession, spec: EngineSpec) -> EngineLoad: ...
+
+
+class SimAdapter:
+    kind = "sim"
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "lumend.engine.sim_server",
+            "--engine-id", spec.engine_id, "--host", spec.host, "--port", str(spec.port),
+            "--model", spec.model, "--seed", str(spec.seed),
+            "--time-scale", str(spec.time_scale), "--failover-lock", spec.failover_lock,
+        ]
+        if spec.gms_socket is not None:
+            cmd += ["--gms-socket", spec.gms_socket]
+        return cmd + list(spec.args)
+
+    async def probe(self, session: aiohttp.ClientSession, spec: EngineSpec) -> str:
+        async with session.get(spec.url + "/lumen/engine") as response:
+            response.raise_for_status()
+            body = await response.json()
+        state = str(body["state"])
+        if state not in ENGINE_STATES:
+            raise ValueError(f"engine {spec.engine_id} reports unknown state {state!r}")
+        return state
+
+    async def release(self, session: aiohttp.ClientSession, spec: EngineSpec,
+                      drain_timeout_s: float) -> None:
+        async with session.post(spec.url + "/lumen/release",
+                                params={"drain_timeout_s": str(drain_timeout_s)}) as response:
+            response.raise_for_status()
+
+    async def load(self, session: aiohttp.ClientSession, spec: EngineSpec) -> EngineLoad:
+        async with session.get(spec.url + "/metrics") as response:
+            response.raise_for_status()
+            return parse_load(await response.text())
+
+
+def parse_load(metrics_text: str) -> EngineLoad:
+    """Load from vLLM's metric names in a Prometheus text exposition."""
+    values: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                    "vllm:kv_cache_usage_perc"):
+            values[name] = values.get(name, 0.0) + float(value)
+    return EngineLoad(
+        running=int(values.get("vllm:num_requests_running", 0)),
+        waiting=int(values.get("vllm:num_requests_waiting", 0)),
+        kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
+    )
+
+
+def adapter_for(kind: str) -> EngineAdapter:
+    if kind == "sim":
+        return SimAdapter()
+    raise ValueError(f"engine kind {kind!r} has no adapter in this build (available: sim)")

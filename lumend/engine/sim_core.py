@@ -1,0 +1,172 @@
+"""The sim engine's model: deterministic tokens, KV pages and continuous batching.
+
+Pure logic, no I/O: the HTTP server (`sim_server.py`) drives `Scheduler.step()` and
+sleeps for the step time it returns.
+
+Tokens are bytes in the printable ASCII range, so a completion's text re-encodes to the
+exact same tokens: a request resumed elsewhere (prompt + text generated so far, sent as a
+new prompt) continues with exactly the tokens a failure-free run would have produced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+FIRST_TOKEN = 32  # " "
+VOCAB = 95  # " " .. "~"
+BLOCK_SIZE = 16
+
+_MIX = struct.Struct(">QI")
+
+
+def encode(text: str) -> list[int]:
+    """Text -> tokens; bytes outside the vocabulary are mapped into it (lossy, stable)."""
+    return [b if FIRST_TOKEN <= b < FIRST_TOKEN + VOCAB else FIRST_TOKEN + b % VOCAB
+            for b in text.encode("utf-8")]
+
+
+def decode(tokens: list[int]) -> str:
+    return bytes(tokens).decode("ascii")
+
+
+def context_state(seed: int, tokens: list[int]) -> int:
+    """A rolling digest of (seed, tokens): the next token is a function of it alone."""
+    state = seed & 0xFFFFFFFFFFFFFFFF
+    for t in tokens:
+        state = _advance(state, t)
+    return state
+
+
+def _advance(state: int, token: int) -> int:
+    digest = hashlib.blake2b(_MIX.pack(state, token), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def next_token(state: int) -> int:
+    return FIRST_TOKEN + state % VOCAB
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Step time as `a + b*prefill + c*prefill^2 + d*decode_batch + e*decode_context`."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    e: float
+
+    def seconds(self, prefill_tokens: int, decode_batch: int, decode_context: int) -> float:
+        return (self.a + self.b * prefill_tokens + self.c * prefill_tokens**2
+                + self.d * decode_batch + self.e * decode_context)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    emit: Callable[[int | None], None]  # a token, or None when finished
+    prefilled: int = 0
+    output: list[int] = field(default_factory=list)
+    state: int = 0
+    cancelled: bool = False
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def blocks(self) -> int:
+        return -(-self.context_len // BLOCK_SIZE)
+
+
+@dataclass
+class SchedulerLimits:
+    max_batch: int = 64
+    prefill_chunk: int = 512
+    kv_blocks: int = 4096
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill (one chunk budget per step)."""
+
+    def __init__(self, seed: int, cost: StepCost, limits: SchedulerLimits) -> None:
+        self.seed = seed
+        self.cost = cost
+        self.limits = limits
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.steps = 0
+        self.tokens_generated = 0
+
+    def add(self, request: SimRequest) -> None:
+        request.state = context_state(self.seed, request.prompt)
+        self.waiting.append(request)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return sum(r.blocks() for r in self.running)
+
+    def kv_usage(self) -> float:
+        return min(1.0, self.kv_blocks_used / self.limits.kv_blocks)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def begin_step(self) -> tuple[float, list[SimRequest]]:
+        """Schedule one iteration: returns its modelled duration and the requests that will
+        have a new token when it ends (`end_step`)."""
+        self.running = [r for r in self.running if not r.cancelled]
+        while self.waiting and self.waiting[0].cancelled:
+            self.waiting.popleft()
+        # Admit waiting requests while the batch and KV pool have room.
+        while (self.waiting and len(self.running) < self.limits.max_batch
+               and self.kv_blocks_used + self.waiting[0].blocks() + 1 <= self.limits.kv_blocks):
+            self.running.append(self.waiting.popleft())
+
+        budget = self.limits.prefill_chunk
+        prefill_tokens = 0
+        decoding: list[SimRequest] = []
+        for r in self.running:
+            remaining = len(r.prompt) - r.prefilled
+            if remaining > 0:
+                chunk = min(remaining, budget)
+                r.prefilled += chunk
+                budget -= chunk
+                prefill_tokens += chunk
+                if r.prefilled == len(r.prompt):
+                    decoding.append(r)  # the last prefill chunk also yields a token
+            else:
+                decoding.append(r)
+        context = sum(r.context_len for r in decoding)
+        return self.cost.seconds(prefill_tokens, len(decoding), context), decoding
+
+    def end_step(self, decoding: list[SimRequest]) -> None:
+        for r in decoding:
+            if r.cancelled:
+                continue
+            token = next_token(r.state)
+            r.state = _advance(r.state, token)
+            r.output.append(token)
+            self.tokens_generated += 1
+            r.emit(token)
+            if len(r.output) >= r.max_tokens:
+                r.emit(None)
+        self.running = [r for r in self.running
+                        if len(r.output) < r.max_tokens and not r.cancelled]
+        self.steps += 1
+
+
+def reference_completion(seed: int, prompt: list[int], max_tokens: int) -> list[int]:
+    """What any sim engine with `seed` answers for `prompt`: the check for resumed streams."""
+    state = context_state(seed, prompt)
+    out = []
+    for _ in range(max_tokens):
+        token = next_token(state)
+        out.append(token)
+        state = _advance(state, token)
+    return out

@@ -1,0 +1,53 @@
+"""Model presets of the sim engine: weights, load bandwidth, KV size and step cost.
+
+`engine = "sim"` workers name one of these as their `model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lumend.engine.sim_core import SchedulerLimits, StepCost
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SimModel:
+    name: str
+    weight_bytes: int
+    disk_bytes_per_s: float
+    init_s: float  # engine initialisation after the weights are in place
+    kv_bytes_per_token: int
+    kv_cache_bytes: int  # KV pool materialised on wake, freed on sleep
+    cost: StepCost
+    limits: SchedulerLimits
+
+    def load_seconds(self) -> float:
+        return self.weight_bytes / self.disk_bytes_per_s
+
+
+SIM_MODELS: dict[str, SimModel] = {
+    # Small and fast: tests and the demo. Loading it "from disk" takes ~0.5 s, initialising
+    # 0.5 s more, so a cold restart is visibly slower than a shadow taking over.
+    "sim-small": SimModel(
+        name="sim-small",
+        weight_bytes=128 * MiB,
+        disk_bytes_per_s=256 * MiB,
+        init_s=0.5,
+        kv_bytes_per_token=16 * 1024,
+        kv_cache_bytes=32 * MiB,
+        cost=StepCost(a=0.004, b=2e-5, c=0.0, d=1e-4, e=1e-7),
+        limits=SchedulerLimits(max_batch=64, prefill_chunk=512, kv_blocks=4096),
+    ),
+}
+
+
+def sim_model(name: str) -> SimModel:
+    try:
+        return SIM_MODELS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown sim model {name!r}; sim workers name a preset: {', '.join(SIM_MODELS)}"
+        ) from None

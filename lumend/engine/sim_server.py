@@ -1,0 +1,381 @@
+"""The sim engine process: vLLM's HTTP surface over `sim_core`, with GMS weights and the
+failover lock.
+
+Lifecycle: initialising (weights from GMS, or "from disk" at the preset's bandwidth when
+this engine is GMS's writer) -> standby (asleep: no KV pool; waiting on the failover lock)
+-> active (lock held, KV pool materialised, serving). An engine that is not active answers
+completions with 503 at once, so a caller moves on to the active engine without waiting.
+
+    python -m lumend.engine.sim_server --engine-id w0/0 --port 8100 --model sim-small \
+        --gms-socket /run/lumen/w0/gms.sock --failover-lock /run/lumen/w0/failover.lock
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from lumend.engine.sim_core import Scheduler, SimRequest, decode, encode
+from lumend.engine.sim_models import MiB, SimModel, sim_model
+from lumend.failover.lock import FailoverLock
+from lumend.gms.client import GmsClient, GmsError
+from lumend.gms.protocol import TensorMeta
+
+log = logging.getLogger("lumend.engine.sim")
+
+
+@dataclass
+class EngineOptions:
+    engine_id: str
+    host: str
+    port: int
+    model: SimModel
+    seed: int
+    time_scale: float
+    gms_socket: str | None
+    failover_lock: str | None
+
+
+class SimEngine:
+    def __init__(self, opts: EngineOptions) -> None:
+        self.opts = opts
+        self.state = "initialising"
+        self.scheduler = Scheduler(opts.seed, opts.model.cost, opts.model.limits)
+        self.weights_source = ""
+        self.weights_seconds = 0.0
+        self.started_at = time.time()
+        self.activated_at: float | None = None
+        self.lock = (FailoverLock(opts.failover_lock, f"{opts.engine_id} pid {os.getpid()}")
+                     if opts.failover_lock else None)
+        self._gms: GmsClient | None = None
+        self._weights: Any = None  # the mapping (kept for the engine's life)
+        self._kv_pool: bytearray | None = None
+        self._work = asyncio.Event()
+        self._released = asyncio.Event()
+        self.requests_total = 0
+        self.refused_total = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        started = time.monotonic()
+        await self._load_weights()
+        self.weights_seconds = time.monotonic() - started
+        await asyncio.sleep(self.opts.model.init_s * self.opts.time_scale)
+        while True:
+            self.state = "standby"
+            log.info("%s standby (weights from %s in %.2f s)", self.opts.engine_id,
+                     self.weights_source, self.weights_seconds)
+            if self.lock is not None:
+                await self.lock.acquire()
+            self._wake()
+            await self._released.wait()
+            self._released.clear()
+
+    def _wake(self) -> None:
+        self._kv_pool = bytearray(self.opts.model.kv_cache_bytes)
+        self.state = "active"
+        self.activated_at = time.time()
+        log.info("%s active", self.opts.engine_id)
+
+    async def release(self, drain_timeout_s: float) -> None:
+        """Planned switchover: finish running work, sleep, and hand the lock over."""
+        if self.state != "active":
+            raise web.HTTPConflict(text=f"engine {self.opts.engine_id} is {self.state}")
+        self.state = "releasing"
+        deadline = time.monotonic() + drain_timeout_s
+        # Polled: the scheduler's idleness and the lock file's owner have no event to await.
+        while not self.scheduler.idle() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        self._kv_pool = None
+        if self.lock is not None:
+            self.lock.release()
+            # Let a waiting shadow take the lock before this engine queues for it again.
+            deadline = time.monotonic() + 5.0
+            mine = self.lock.owner
+            while self.lock.read_owner() == mine and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        self._released.set()
+
+    async def _load_weights(self) -> None:
+        model = self.opts.model
+        if self.opts.gms_socket is None:
+            await self._read_from_disk()
+            self._weights = self._fill(bytearray(model.weight_bytes))
+            self.weights_source = "disk"
+            return
+        self._gms = await _connect_gms(self.opts.gms_socket, timeout_s=60.0)
+        role = await asyncio.to_thread(self._gms.hello, "auto", 600.0)
+        if role == "writer":
+            await self._read_from_disk()
+            await asyncio.to_thread(self._publish_weights)
+            self.weights_source = "disk"
+        else:
+            await asyncio.to_thread(self._map_weights)
+            self.weights_source = "gms"
+
+    async def _read_from_disk(self) -> None:
+        await asyncio.sleep(self.opts.model.load_seconds() * self.opts.time_scale)
+
+    def _publish_weights(self) -> None:
+        assert self._gms is not None
+        size = self.opts.model.weight_bytes
+        alloc, _ = self._gms.allocate("weights", size)
+        mapped = self._gms.map(alloc)
+        self._fill(mapped.mem)
+        self._gms.put_tensor(TensorMeta(name="weights", allocation=alloc, offset=0,
+                                        shape=[size], dtype="uint8"))
+        self._gms.commit()
+        self._weights = mapped.mem
+
+    def _map_weights(self) -> None:
+        assert self._gms is not None
+        _, tensors, _ = self._gms.layout()  # verifies the committed layout hash
+        (weights,) = [t for t in tensors if t.name == "weights"]
+        self._weights = self._gms.map(weights.allocation).mem
+
+    def _fill(self, buffer: Any) -> Any:
+        pattern = hashlib.shake_256(self.opts.seed.to_bytes(8, "big")).digest(MiB)
+        view = memoryview(buffer)
+        for offset in range(0, len(view), MiB):
+            n = min(MiB, len(view) - offset)
+            view[offset: offset + n] = pattern[:n]
+        return buffer
+
+    def weights_digest(self) -> str:
+        return hashlib.blake2b(memoryview(self._weights), digest_size=16).hexdigest()
+
+    # -- batching loop --------------------------------------------------------------------
+
+    async def batch_loop(self) -> None:
+        while True:
+            if self.scheduler.idle():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            duration, decoding = self.scheduler.begin_step()
+            await asyncio.sleep(duration * self.opts.time_scale)
+            self.scheduler.end_step(decoding)
+
+    def submit(self, prompt: list[int], max_tokens: int) -> tuple[SimRequest,
+                                                                   asyncio.Queue[int | None]]:
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        request = SimRequest(id=uuid.uuid4().hex, prompt=prompt, max_tokens=max_tokens,
+                             emit=queue.put_nowait)
+        self.scheduler.add(request)
+        self.requests_total += 1
+        self._work.set()
+        return request, queue
+
+
+async def _connect_gms(path: str, timeout_s: float) -> GmsClient:
+    """Connect, waiting while the GMS server (re)starts: the supervisor may have just
+    replaced a dead one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await asyncio.to_thread(GmsClient, path)
+        except GmsError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+# -- HTTP -------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
+                             status=status)
+
+
+def build_app(engine: SimEngine) -> web.Application:
+    routes = web.RouteTableDef()
+    opts = engine.opts
+
+    @routes.get("/health")
+    async def health(_: web.Request) -> web.Response:
+        if engine.state == "initialising":
+            return _error(503, "initialising", "unavailable")
+        return web.Response(text="")
+
+    @routes.get("/is_sleeping")
+    async def is_sleeping(_: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": engine.state != "active"})
+
+    @routes.get("/lumen/engine")
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response({
+            "id": opts.engine_id, "state": engine.state, "pid": os.getpid(),
+            "model": opts.model.name, "weights_source": engine.weights_source,
+            "weights_seconds": engine.weights_seconds, "activated_at": engine.activated_at,
+            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+        })
+
+    @routes.get("/lumen/weights_digest")
+    async def digest(_: web.Request) -> web.Response:
+        if engine.state == "initialising":
+            return _error(503, "initialising", "unavailable")
+        return web.json_response({"digest": await asyncio.to_thread(engine.weights_digest)})
+
+    @routes.post("/lumen/release")
+    async def release(request: web.Request) -> web.Response:
+        timeout = float(request.query.get("drain_timeout_s", "30"))
+        await engine.release(timeout)
+        return web.json_response({"released": True})
+
+    @routes.get("/metrics")
+    async def metrics(_: web.Request) -> web.Response:
+        s = engine.scheduler
+        lines = [
+            f'vllm:num_requests_running{{model_name="{opts.model.name}"}} {len(s.running)}',
+            f'vllm:num_requests_waiting{{model_name="{opts.model.name}"}} {len(s.waiting)}',
+            f'vllm:kv_cache_usage_perc{{model_name="{opts.model.name}"}} {s.kv_usage()}',
+            f"lumen_sim_requests_total {engine.requests_total}",
+            f"lumen_sim_refused_total {engine.refused_total}",
+            f"lumen_sim_tokens_generated_total {s.tokens_generated}",
+            f"lumen_sim_steps_total {s.steps}",
+            f'lumen_sim_active {1 if engine.state == "active" else 0}',
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    @routes.get("/v1/models")
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": opts.model.name, "object": "model", "owned_by": "lumen-sim"}]})
+
+    async def completion(request: web.Request, chat: bool) -> web.StreamResponse:
+        if engine.state != "active":
+            engine.refused_total += 1
+            return _error(503, f"engine {opts.engine_id} is {engine.state}, not active; "
+                          "send the request to the worker's active engine", "unavailable")
+        try:
+            body = await request.json()
+            prompt = _prompt(body, chat)
+            max_tokens = int(body.get("max_tokens", 16))
+            if max_tokens < 1:
+                raise ValueError("max_tokens must be at least 1")
+        except (ValueError, TypeError, json.JSONDecodeError) as exc:
+            return _error(400, f"bad request: {exc}", "invalid_request_error")
+        sim_request, queue = engine.submit(prompt, max_tokens)
+        rid = ("chatcmpl-" if chat else "cmpl-") + sim_request.id
+        try:
+            if body.get("stream"):
+                return await _stream(request, rid, chat, opts.model.name, queue)
+            tokens = [t async for t in _tokens(queue)]
+        finally:
+            sim_request.cancelled = len(sim_request.output) < max_tokens
+        text = decode(tokens)
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": "length"} if chat else
+                                  {"index": 0, "text": text, "finish_reason": "length"})
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": opts.model.name, "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                      "total_tokens": len(prompt) + len(tokens)},
+        })
+
+    @routes.post("/v1/completions")
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await completion(request, chat=False)
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await completion(request, chat=True)
+
+    app = web.Application()
+    app.add_routes(routes)
+    return app
+
+
+def _prompt(body: Any, chat: bool) -> list[int]:
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return encode(text)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise ValueError("prompt must be a non-empty string or list of token ids")
+
+
+async def _tokens(queue: asyncio.Queue[int | None]) -> AsyncIterator[int]:
+    while (token := await queue.get()) is not None:
+        yield token
+
+
+async def _stream(request: web.Request, rid: str, chat: bool, model: str,
+                  queue: asyncio.Queue[int | None]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    created = int(time.time())
+    async for token in _tokens(queue):
+        piece = decode([token])
+        choice: dict[str, Any] = ({"index": 0, "delta": {"content": piece},
+                                   "finish_reason": None} if chat else
+                                  {"index": 0, "text": piece, "finish_reason": None})
+        chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                 "created": created, "model": model, "choices": [choice]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def serve(opts: EngineOptions) -> None:
+    engine = SimEngine(opts)
+    runner = web.AppRunner(build_app(engine), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, opts.host, opts.port).start()
+    log.info("sim engine %s on %s:%d (model %s, pid %d)", opts.engine_id, opts.host,
+             opts.port, opts.model.name, os.getpid())
+    await asyncio.gather(engine.run(), engine.batch_loop())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="LUMEN sim engine")
+    parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="sim-small")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiplies every modelled duration (0.1 = ten times faster)")
+    parser.add_argument("--gms-socket")
+    parser.add_argument("--failover-lock")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model = sim_model(args.model)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(serve(EngineOptions(
+        engine_id=args.engine_id, host=args.host, port=args.port, model=model,
+        seed=args.seed, time_scale=args.time_scale, gms_socket=args.gms_socket,
+        failover_lock=args.failover_lock,
+    )))
+
+
+if __name__ == "__main__":
+    main()

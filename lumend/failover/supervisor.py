@@ -1,0 +1,322 @@
+"""The worker supervisor: one GMS server and 1 + shadows engines per worker, kept alive.
+
+Each tick it probes every engine (with a deadline), restarts what died (a restarted engine
+finds the failover lock taken and becomes a shadow), SIGKILLs what hangs, and restarts the
+GMS server if it dies (engines keep serving from their mappings; the next engine to start
+loads the weights into the new server). It decides from what it observes this tick and
+publishes the worker's record for the node's heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord, WorkerState
+from lumend.config import WorkerConfig
+from lumend.engine.adapter import EngineAdapter, EngineLoad, EngineSpec
+
+log = logging.getLogger("lumend.failover")
+
+
+@dataclass(frozen=True)
+class SupervisorTiming:
+    tick_s: float = 0.1
+    probe_deadline_s: float = 1.0
+    hung_after_failures: int = 3  # consecutive probe failures of a live process
+    start_timeout_s: float = 600.0  # an engine not past initialising by then is killed
+    backoff_first_s: float = 0.5
+    backoff_max_s: float = 30.0
+    stop_grace_s: float = 10.0
+
+
+@dataclass
+class EngineSlot:
+    spec: EngineSpec
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    state: str = "stopped"  # stopped | starting | initialising | standby | active | releasing
+    started_at: float = 0.0
+    probe_failures: int = 0
+    became_ready: bool = False  # reached standby or active since it was started
+    restarts: int = 0
+    backoff_s: float = 0.0
+    restart_at: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class FailoverRecord:
+    engine_id: str
+    reason: str
+    detected_at: float
+    completed_at: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.completed_at is None else self.completed_at - self.detected_at
+
+
+@dataclass
+class WorkerCounters:
+    failovers: int = 0
+    engine_restarts: int = 0
+    hung_kills: int = 0
+    gms_restarts: int = 0
+    failover_seconds: list[float] = field(default_factory=list)
+
+
+class WorkerSupervisor:
+    def __init__(
+        self,
+        node: str,
+        worker: WorkerConfig,
+        adapter: EngineAdapter,
+        *,
+        runtime_dir: Path,
+        log_dir: Path,
+        host: str = "127.0.0.1",
+        timing: SupervisorTiming | None = None,
+        use_gms: bool = True,
+        time_scale: float = 1.0,
+        on_failover: Callable[[FailoverRecord], None] | None = None,
+    ) -> None:
+        self.node = node
+        self.worker = worker
+        self.adapter = adapter
+        self.timing = timing or SupervisorTiming()
+        self.dir = runtime_dir / worker.name
+        self.log_dir = log_dir
+        self.gms_socket = self.dir / "gms.sock" if use_gms else None
+        self.counters = WorkerCounters()
+        self.on_failover = on_failover
+        self.load = EngineLoad(0, 0, 0.0)
+        self.gms_proc: subprocess.Popen[bytes] | None = None
+        self.pending_failover: FailoverRecord | None = None
+        self.ever_active = False
+        self.slots = [
+            EngineSlot(
+                spec=EngineSpec(
+                    engine_id=f"{worker.name}/{i}", host=host, port=worker.port + i,
+                    model=worker.model, args=tuple(worker.args),
+                    gms_socket=str(self.gms_socket) if self.gms_socket else None,
+                    failover_lock=str(self.dir / "failover.lock"), time_scale=time_scale,
+                ),
+                log_path=log_dir / f"{worker.name}.{i}.log",
+            )
+            for i in range(1 + worker.shadows)
+        ]
+        self._started = time.monotonic()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        timeout = aiohttp.ClientTimeout(total=self.timing.probe_deadline_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            try:
+                while not stop.is_set():
+                    await self.tick(session)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.timing.tick_s)
+            finally:
+                await asyncio.to_thread(self.stop_all)
+
+    async def tick(self, session: aiohttp.ClientSession) -> None:
+        now = time.monotonic()
+        self._keep_gms()
+        for slot in self.slots:
+            if slot.proc is not None and not slot.alive:
+                self._engine_died(slot, now)
+            if slot.proc is None and now >= slot.restart_at:
+                self._start_engine(slot, now)
+        await asyncio.gather(*(self._probe(session, s, now) for s in self.slots if s.alive))
+        active = [s for s in self.slots if s.state == "active"]
+        if active:
+            self.ever_active = True
+            if self.pending_failover is not None:
+                self._failover_done(active[0])
+            # On failure keep the last load; the probe decides about health.
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                self.load = await self.adapter.load(session, active[0].spec)
+
+    # -- engines --------------------------------------------------------------------------
+
+    def _start_engine(self, slot: EngineSlot, now: float) -> None:
+        with slot.log_path.open("ab") as out:
+            slot.proc = subprocess.Popen(
+                self.adapter.command(slot.spec), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        slot.state = "starting"
+        slot.started_at = now
+        slot.probe_failures = 0
+        slot.became_ready = False
+        log.info("engine %s started (pid %d, port %d)", slot.spec.engine_id, slot.proc.pid,
+                 slot.spec.port)
+
+    def _engine_died(self, slot: EngineSlot, now: float) -> None:
+        assert slot.proc is not None
+        code = slot.proc.returncode
+        was = slot.state
+        slot.proc = None
+        slot.state = "stopped"
+        if was == "active" and self.pending_failover is None:
+            self.pending_failover = FailoverRecord(slot.spec.engine_id,
+                                                   f"active engine exited ({code})", now)
+        # An engine that dies before it ever initialises is crash-looping: back off. One that
+        # was ready is replaced at once, so the worker regains its shadow quickly.
+        slot.backoff_s = (0.0 if slot.became_ready
+                          else min(max(slot.backoff_s * 2, self.timing.backoff_first_s),
+                                   self.timing.backoff_max_s))
+        slot.restart_at = now + slot.backoff_s
+        slot.restarts += 1
+        self.counters.engine_restarts += 1
+        log.warning("engine %s exited with %s while %s; restarting in %.1f s",
+                    slot.spec.engine_id, code, was, slot.backoff_s)
+
+    async def _probe(self, session: aiohttp.ClientSession, slot: EngineSlot,
+                     now: float) -> None:
+        try:
+            slot.state = await self.adapter.probe(session, slot.spec)
+            slot.probe_failures = 0
+            slot.became_ready = slot.became_ready or slot.state in ("standby", "active")
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+            if slot.state == "starting":
+                if now - slot.started_at > self.timing.start_timeout_s:
+                    self._kill(slot, f"not serving its API after {self.timing.start_timeout_s} s")
+                return  # still coming up
+            slot.probe_failures += 1
+            if slot.probe_failures >= self.timing.hung_after_failures:
+                self._kill(slot, f"{slot.probe_failures} probes failed ({exc!r}): hung")
+                self.counters.hung_kills += 1
+            return
+        if (slot.state == "initialising"
+                and now - slot.started_at > self.timing.start_timeout_s):
+            self._kill(slot, f"still initialising after {self.timing.start_timeout_s} s")
+
+    def _kill(self, slot: EngineSlot, why: str) -> None:
+        if slot.proc is None:
+            return
+        log.warning("killing engine %s (pid %d): %s", slot.spec.engine_id, slot.proc.pid, why)
+        if slot.state == "active" and self.pending_failover is None:
+            self.pending_failover = FailoverRecord(slot.spec.engine_id, why, time.monotonic())
+        with contextlib.suppress(ProcessLookupError):
+            slot.proc.send_signal(signal.SIGKILL)
+
+    def _failover_done(self, slot: EngineSlot) -> None:
+        record = self.pending_failover
+        assert record is not None
+        record.completed_at = time.monotonic()
+        self.pending_failover = None
+        self.counters.failovers += 1
+        seconds = record.seconds or 0.0
+        self.counters.failover_seconds.append(seconds)
+        log.info("failover of %s: %s serves %.3f s after %s was lost (%s)",
+                 self.worker.name, slot.spec.engine_id, seconds, record.engine_id,
+                 record.reason)
+        if self.on_failover is not None:
+            self.on_failover(record)
+
+    # -- GMS ------------------------------------------------------------------------------
+
+    def _keep_gms(self) -> None:
+        if self.gms_socket is None:
+            return
+        if self.gms_proc is not None and self.gms_proc.poll() is None:
+            return
+        if self.gms_proc is not None:
+            log.warning("GMS server of %s exited (%s); restarting it: engines keep serving, "
+                        "the next engine to start reloads the weights",
+                        self.worker.name, self.gms_proc.returncode)
+            self.counters.gms_restarts += 1
+        with (self.log_dir / f"{self.worker.name}.gms.log").open("ab") as out:
+            self.gms_proc = subprocess.Popen(
+                [sys.executable, "-m", "lumend.gms.server",
+                 "--socket", str(self.gms_socket)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    # -- planned switchover ---------------------------------------------------------------
+
+    async def switchover(self, session: aiohttp.ClientSession,
+                         drain_timeout_s: float = 30.0) -> float:
+        """Hand the active role to a shadow; returns seconds until a shadow was active."""
+        active = [s for s in self.slots if s.state == "active"]
+        if not active:
+            raise RuntimeError(f"worker {self.worker.name} has no active engine to hand over")
+        if not any(s.state == "standby" for s in self.slots):
+            raise RuntimeError(f"worker {self.worker.name} has no standby shadow to take over")
+        started = time.monotonic()
+        old = active[0]
+        await self.adapter.release(session, old.spec, drain_timeout_s)
+        while True:
+            states = await asyncio.gather(
+                *(self.adapter.probe(session, s.spec) for s in self.slots if s is not old
+                  and s.alive), return_exceptions=True)
+            if "active" in states:
+                return time.monotonic() - started
+            await asyncio.sleep(0.01)
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            name=self.worker.name, node=self.node, gpus=list(self.worker.gpus),
+            engine=self.worker.engine, model=self.worker.model, state=self.worker_state(),
+            engines=[
+                EngineInfo(id=s.spec.engine_id, role="active" if s.state == "active"
+                           else "shadow", state=s.state, pid=s.proc.pid if s.alive and s.proc
+                           else None, url=s.spec.url)
+                for s in self.slots
+            ],
+            load=WorkerLoad(running=self.load.running, waiting=self.load.waiting,
+                            kv_usage=self.load.kv_usage),
+            updated_at=time.time(),
+        )
+
+    def worker_state(self) -> WorkerState:
+        states = {s.state for s in self.slots}
+        if "active" in states:
+            return "serving"
+        if self.ever_active:
+            return "recovering"
+        if time.monotonic() - self._started > self.timing.start_timeout_s:
+            return "failed"
+        return "starting"
+
+    def ready(self) -> bool:
+        """Serving, or at least one engine initialised and standing by."""
+        return bool({s.state for s in self.slots} & {"active", "standby"})
+
+    def stop_all(self) -> None:
+        procs = [s.proc for s in self.slots if s.proc is not None] + (
+            [self.gms_proc] if self.gms_proc is not None else [])
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.timing.stop_grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for s in self.slots:
+            s.proc = None
+            s.state = "stopped"
+

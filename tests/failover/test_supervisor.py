@@ -1,0 +1,187 @@
+"""A worker supervisor with real sim engines, a real GMS server and the real failover lock."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from lumenctl.localcluster import free_ports
+from lumend.config import WorkerConfig
+from lumend.engine.adapter import SimAdapter
+from lumend.engine.sim_core import decode, encode, reference_completion
+from lumend.failover.supervisor import EngineSlot, SupervisorTiming, WorkerSupervisor
+from lumend.gms.client import GmsClient
+
+PROMPT = "the quick brown fox"
+
+
+def make_supervisor(tmp_path: Path, shadows: int = 1) -> WorkerSupervisor:
+    port = free_ports(1)[0]
+    while any(p != port + i for i, p in enumerate(range(port, port + shadows + 1))):
+        port = free_ports(1)[0]
+    worker = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=shadows,
+                          model="sim-small", port=port)
+    return WorkerSupervisor(
+        "node-1", worker, SimAdapter(), runtime_dir=tmp_path / "run", log_dir=tmp_path / "logs",
+        timing=SupervisorTiming(tick_s=0.05, probe_deadline_s=0.5, hung_after_failures=3),
+        time_scale=0.2,
+    )
+
+
+@asynccontextmanager
+async def running(sup: WorkerSupervisor) -> AsyncIterator[aiohttp.ClientSession]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(sup.run(stop))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            yield session
+    finally:
+        stop.set()
+        await task
+
+
+async def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def slot_in(sup: WorkerSupervisor, state: str) -> EngineSlot | None:
+    return next((s for s in sup.slots if s.state == state), None)
+
+
+def live_pids(sup: WorkerSupervisor, *states: str) -> set[int]:
+    return {s.proc.pid for s in sup.slots if s.state in states and s.proc is not None}
+
+
+async def complete(session: aiohttp.ClientSession, sup: WorkerSupervisor) -> str | None:
+    """One completion on the worker: try each engine; standbys refuse at once (503)."""
+    for slot in sup.slots:
+        try:
+            async with session.post(slot.spec.url + "/v1/completions",
+                                    json={"prompt": PROMPT, "max_tokens": 12}) as r:
+                if r.status == 200:
+                    return str((await r.json())["choices"][0]["text"])
+        except aiohttp.ClientConnectionError:
+            continue
+    return None
+
+
+async def engine_info(session: aiohttp.ClientSession, slot: EngineSlot) -> dict[str, Any]:
+    async with session.get(slot.spec.url + "/lumen/engine") as r:
+        return dict(await r.json())
+
+
+async def digest(session: aiohttp.ClientSession, slot: EngineSlot) -> str:
+    async with session.get(slot.spec.url + "/lumen/weights_digest") as r:
+        return str((await r.json())["digest"])
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+def test_twenty_sigkills_the_shadow_serves_and_weights_are_never_reloaded(
+    tmp_path: Path,
+) -> None:
+    expected = decode(reference_completion(0, encode(PROMPT), 12))
+
+    async def scenario() -> None:
+        sup = make_supervisor(tmp_path)
+        async with running(sup) as session:
+            await wait_for(lambda: slot_in(sup, "active") is not None
+                           and slot_in(sup, "standby") is not None, 30, "active + standby")
+            first = slot_in(sup, "active")
+            assert first is not None
+            original_digest = await digest(session, first)
+            for kill in range(20):
+                active, shadow = slot_in(sup, "active"), slot_in(sup, "standby")
+                assert active is not None and active.proc is not None and shadow is not None
+                victim_pid = active.proc.pid
+                os.kill(victim_pid, signal.SIGKILL)
+                # Requests during the switch either succeed or fail fast; none hangs
+                # (the session's 10 s timeout would raise).
+                text = None
+                while text is None:
+                    text = await complete(session, sup)
+                assert text == expected, f"kill {kill}: the shadow answered differently"
+                await wait_for(lambda v=victim_pid: bool(live_pids(sup, "active"))  # type: ignore[misc]
+                               and v not in live_pids(sup, "active", "standby")
+                               and slot_in(sup, "standby") is not None, 30,
+                               f"a new active and a new shadow after kill {kill}")
+                restarted = slot_in(sup, "standby")
+                assert restarted is not None
+                info = await engine_info(session, restarted)
+                assert info["weights_source"] == "gms", "a restarted engine loaded from disk"
+            assert await digest(session, slot_in(sup, "active")) == original_digest  # type: ignore[arg-type]
+            assert sup.counters.failovers == 20
+            assert len(sup.counters.failover_seconds) == 20
+            with GmsClient(sup.gms_socket) as gms:  # type: ignore[arg-type]
+                stats = gms.stats()
+            assert stats["commits"] == 1, "the weights were loaded more than once"
+            assert stats["writer_sessions"] == 1
+            record = sup.record()
+            assert record.state == "serving"
+            assert sorted(e.state for e in record.engines) == ["active", "standby"]
+            assert all(e.pid is not None and e.url.startswith("http://") for e in record.engines)
+
+    run(scenario())
+
+
+def test_a_hung_active_engine_is_killed_and_the_shadow_takes_over(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sup = make_supervisor(tmp_path)
+        async with running(sup) as session:
+            await wait_for(lambda: slot_in(sup, "active") is not None
+                           and slot_in(sup, "standby") is not None, 30, "active + standby")
+            active = slot_in(sup, "active")
+            assert active is not None and active.proc is not None
+            hung_pid = active.proc.pid
+            os.kill(hung_pid, signal.SIGSTOP)  # alive, holding the lock, answering nothing
+            await wait_for(lambda: (s := slot_in(sup, "active")) is not None
+                           and s.proc is not None and s.proc.pid != hung_pid, 30,
+                           "the shadow to take over from the hung engine")
+            assert sup.counters.hung_kills == 1
+            assert await complete(session, sup) is not None
+            # The killed engine is gone for good, not merely stopped.
+            try:
+                os.kill(hung_pid, 0)
+                still_there = True
+            except ProcessLookupError:
+                still_there = False
+            assert not still_there
+
+    run(scenario())
+
+
+def test_gms_death_is_survived(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sup = make_supervisor(tmp_path)
+        async with running(sup) as session:
+            await wait_for(lambda: slot_in(sup, "active") is not None
+                           and slot_in(sup, "standby") is not None, 30, "active + standby")
+            assert sup.gms_proc is not None
+            sup.gms_proc.send_signal(signal.SIGKILL)
+            await wait_for(lambda: sup.counters.gms_restarts == 1, 10, "a new GMS server")
+            assert await complete(session, sup) is not None, "engines stopped serving"
+            # A failover now: the restarted engine finds an empty GMS and reloads it.
+            active = slot_in(sup, "active")
+            assert active is not None and active.proc is not None
+            victim = active.proc.pid
+            os.kill(victim, signal.SIGKILL)
+            await wait_for(lambda: len(live_pids(sup, "standby", "active")) == 2
+                           and victim not in live_pids(sup, "standby", "active"), 30,
+                           "an active engine and a new shadow after GMS loss")
+            with GmsClient(sup.gms_socket) as gms:  # type: ignore[arg-type]
+                assert gms.stats()["commits"] == 1
+
+    run(scenario())
