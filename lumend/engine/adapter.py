@@ -44,8 +44,13 @@ class EngineLoad:
 
 class EngineAdapter(Protocol):
     kind: str
+    uses_gms: bool
 
     def command(self, spec: EngineSpec) -> list[str]: ...
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        """Variables added to lumend's environment for the engine process."""
+        ...
 
     async def probe(self, session: aiohttp.ClientSession, spec: EngineSpec) -> str:
         """The engine's lifecycle state (one of ENGINE_STATES); raises when unreachable."""
@@ -59,19 +64,15 @@ class EngineAdapter(Protocol):
     async def load(self, session: aiohttp.ClientSession, spec: EngineSpec) -> EngineLoad: ...
 
 
-class SimAdapter:
-    kind = "sim"
+class HttpEngineAdapter:
+    """Both engine kinds expose LUMEN's lifecycle endpoints (`/lumen/engine`,
+    `/lumen/release`) and vLLM's `/metrics`; they differ only in how they are started."""
 
-    def command(self, spec: EngineSpec) -> list[str]:
-        cmd = [
-            sys.executable, "-m", "lumend.engine.sim_server",
-            "--engine-id", spec.engine_id, "--host", spec.host, "--port", str(spec.port),
-            "--model", spec.model, "--seed", str(spec.seed),
-            "--time-scale", str(spec.time_scale), "--failover-lock", spec.failover_lock,
-        ]
-        if spec.gms_socket is not None:
-            cmd += ["--gms-socket", spec.gms_socket]
-        return cmd + list(spec.args)
+    kind = ""
+    uses_gms = False
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        return {}
 
     async def probe(self, session: aiohttp.ClientSession, spec: EngineSpec) -> str:
         async with session.get(spec.url + "/lumen/engine") as response:
@@ -94,6 +95,40 @@ class SimAdapter:
             return parse_load(await response.text())
 
 
+class SimAdapter(HttpEngineAdapter):
+    kind = "sim"
+    uses_gms = True
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "lumend.engine.sim_server",
+            "--engine-id", spec.engine_id, "--host", spec.host, "--port", str(spec.port),
+            "--model", spec.model, "--seed", str(spec.seed),
+            "--time-scale", str(spec.time_scale), "--failover-lock", spec.failover_lock,
+        ]
+        if spec.gms_socket is not None:
+            cmd += ["--gms-socket", spec.gms_socket]
+        return cmd + list(spec.args)
+
+
+class VllmAdapter(HttpEngineAdapter):
+    """Real vLLM (`python -m vllm.entrypoints.openai.api_server`), gated by LUMEN's
+    middleware. Without CUDA the shadow is a hot standby: initialised, serving nothing
+    until it holds the failover lock. (Sleep mode and GMS weights need the cuda backend.)"""
+
+    kind = "vllm"
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", spec.model, "--host", spec.host, "--port", str(spec.port),
+            "--middleware", "lumend.engine.vllm_gate.gate", *spec.args,
+        ]
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        return {"LUMEN_ENGINE_ID": spec.engine_id, "LUMEN_FAILOVER_LOCK": spec.failover_lock}
+
+
 def parse_load(metrics_text: str) -> EngineLoad:
     """Load from vLLM's metric names in a Prometheus text exposition."""
     values: dict[str, float] = {}
@@ -113,6 +148,9 @@ def parse_load(metrics_text: str) -> EngineLoad:
 
 
 def adapter_for(kind: str) -> EngineAdapter:
-    if kind == "sim":
-        return SimAdapter()
-    raise ValueError(f"engine kind {kind!r} has no adapter in this build (available: sim)")
+    adapters: dict[str, EngineAdapter] = {"sim": SimAdapter(), "vllm": VllmAdapter()}
+    try:
+        return adapters[kind]
+    except KeyError:
+        raise ValueError(f"engine kind {kind!r} is unknown; use one of {sorted(adapters)}"
+                         ) from None

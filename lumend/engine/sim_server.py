@@ -95,17 +95,11 @@ class SimEngine:
             raise web.HTTPConflict(text=f"engine {self.opts.engine_id} is {self.state}")
         self.state = "releasing"
         deadline = time.monotonic() + drain_timeout_s
-        # Polled: the scheduler's idleness and the lock file's owner have no event to await.
-        while not self.scheduler.idle() and time.monotonic() < deadline:  # noqa: ASYNC110
+        while not self.scheduler.idle() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._kv_pool = None
         if self.lock is not None:
-            self.lock.release()
-            # Let a waiting shadow take the lock before this engine queues for it again.
-            deadline = time.monotonic() + 5.0
-            mine = self.lock.owner
-            while self.lock.read_owner() == mine and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
+            await self.lock.hand_over()
         self._released.set()
 
     async def _load_weights(self) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import fcntl
 import os
+import time
 from pathlib import Path
 
 
@@ -59,8 +60,16 @@ class FailoverLock:
 
     async def acquire(self, poll_s: float = 0.02) -> None:
         """Wait until the lock is ours (polled: flock has no async wake-up)."""
-        while not self.try_acquire():  # noqa: ASYNC110 - flock offers nothing to await
+        while not self.try_acquire():  # flock has nothing to await
             await asyncio.sleep(poll_s)
+
+    async def hand_over(self, timeout_s: float = 5.0) -> None:
+        """Release, then wait (bounded) until another holder has recorded itself, so the
+        caller does not win the lock straight back before a waiting shadow polls it."""
+        self.release()
+        deadline = time.monotonic() + timeout_s
+        while self.read_owner() == self.owner and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -100,7 +101,7 @@ class WorkerSupervisor:
         self.timing = timing or SupervisorTiming()
         self.dir = runtime_dir / worker.name
         self.log_dir = log_dir
-        self.gms_socket = self.dir / "gms.sock" if use_gms else None
+        self.gms_socket = self.dir / "gms.sock" if use_gms and adapter.uses_gms else None
         self.counters = WorkerCounters()
         self.on_failover = on_failover
         self.load = EngineLoad(0, 0, 0.0)
@@ -160,7 +161,7 @@ class WorkerSupervisor:
         with slot.log_path.open("ab") as out:
             slot.proc = subprocess.Popen(
                 self.adapter.command(slot.spec), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, env={**os.environ, **self.adapter.environment(slot.spec)},
             )
         slot.state = "starting"
         slot.started_at = now
