@@ -56,7 +56,7 @@ async def measure(shadows: int, use_gms: bool, kills: int, time_scale: float,
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             for _ in range(kills):
                 # Wait until the worker is whole again (active, and its shadows standing by).
-                while not (sum(s.state == "active" for s in sup.slots) == 1  # noqa: ASYNC110
+                while not (sum(s.state == "active" for s in sup.slots) == 1
                            and sum(s.state == "standby" for s in sup.slots) == shadows):
                     await asyncio.sleep(0.01)
                 await first_completion(session, urls)

@@ -1,9 +1,266 @@
-"""`lumenctl sim`: the cluster simulator (being built; see the simulator issue)."""
+"""`lumenctl sim`: the cluster simulator (lumend/sim) from the command line.
+
+The simulator is imported inside the command so `lumenctl --help` stays fast.
+"""
 
 from __future__ import annotations
 
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
 import typer
+
+if TYPE_CHECKING:
+    from lumend.sim.config import SimConfig
+    from lumend.sim.runner import PolicyRun
+    from lumend.sim.workload import Workload
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class FailMode(StrEnum):
+    none = "none"
+    worker = "worker"
+    node = "node"
+    correlated = "correlated"
+    gray = "gray"
+
+
+class Fmt(StrEnum):
+    table = "table"
+    json = "json"
+    yaml = "yaml"
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    typer.echo(f"lumenctl sim: {message}", err=True)
+    raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:
     """Add the `sim` command to `app`."""
+    app.command(name="sim")(sim)
+
+
+def sim(
+    ctx: typer.Context,
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Replay a CSV trace (arrived_at, num_prefill_tokens, "
+        "num_decode_tokens)."),
+    synthetic: bool = typer.Option(
+        False, "--synthetic", help="Generate a conversation-like trace (the default)."),
+    scenario: str | None = typer.Option(
+        None, "--scenario", help="paper-4w, paper-8w or paper-scale: the paper's setups."),
+    workers: int | None = typer.Option(None, "--workers", min=1, help="Workers (default 4)."),
+    model: str | None = typer.Option(None, "--model", help="Model preset (default qwen3-32b)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU preset (default a100-tp4)."),
+    fail: FailMode | None = typer.Option(None, "--fail", help="What fails (default worker)."),
+    fail_fraction: float | None = typer.Option(
+        None, "--fail-fraction", help="Fail this fraction of the workers at once."),
+    slowdown: float = typer.Option(3.0, "--slowdown", help="Gray failure slowdown factor."),
+    fail_at: float | None = typer.Option(None, "--fail-at", help="Fault time, s (default 300)."),
+    policy: str = typer.Option(
+        "all", "--policy", help="A policy, a comma-separated list, 'all' (the three main "
+        "ones) or 'ablation' (LUMEN's mechanisms alone and in pairs)."),
+    theta: float | None = typer.Option(None, "--theta", help="Algorithm 2 load threshold."),
+    tau: int | None = typer.Option(None, "--tau", help="Algorithm 2 prefix threshold, blocks."),
+    budget: float | None = typer.Option(
+        None, "--budget", help="Host memory per worker for checkpoints, GiB (default 64)."),
+    rate: float | None = typer.Option(
+        None, "--rate", help="Requests/s per worker; a trace is time-scaled to it."),
+    duration: float | None = typer.Option(
+        None, "--duration", help="Seconds of arrivals (default 900; a trace: all of it)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic trace and fault choice."),
+    output: Fmt | None = typer.Option(
+        None, "--output", "-o", help="table, json or yaml (default: lumenctl's -o)."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write a PNG timeline of TTFT and queue depth."),
+) -> None:
+    """Simulate a failure on a cluster under each policy and compare them."""
+    from lumend.coordinator.policy import GIB
+    from lumend.engine.costmodel import PresetError
+    from lumend.sim.config import SCENARIOS, FaultKind, FaultSpec, SimConfig, expand_policies
+    from lumend.sim.engine import SimError
+    from lumend.sim.workload import TraceError
+
+    fmt = output or Fmt(str(getattr(ctx.obj, "output", "table")))
+    if trace is not None and synthetic:
+        _fail(EXIT_USAGE, "--trace and --synthetic exclude each other")
+    if fail is not None and fail_fraction is not None:
+        _fail(EXIT_USAGE, "--fail and --fail-fraction exclude each other")
+    if scenario is not None and scenario not in SCENARIOS:
+        _fail(EXIT_USAGE, f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    sc = SCENARIOS.get(scenario or "")
+    if fail_fraction is not None:
+        kind = FaultKind.fraction
+    elif fail is not None:
+        kind = FaultKind(fail.value)
+    else:
+        kind = sc.fault if sc else FaultKind.worker
+    try:
+        names = expand_policies(policy)
+        fault = FaultSpec(
+            kind=kind,
+            at_s=fail_at if fail_at is not None else (sc.fault_at_s if sc else 300.0),
+            fraction=fail_fraction if fail_fraction is not None else (
+                sc.fail_fraction if sc else 0.25),
+            slowdown=slowdown,
+        )
+        base = SimConfig()
+        pol = base.policy
+        if theta is not None or tau is not None:
+            from dataclasses import replace
+
+            pol = replace(pol, theta=pol.theta if theta is None else theta,
+                          tau=pol.tau if tau is None else tau)
+        cfg = SimConfig(
+            workers=workers or (sc.workers if sc else base.workers),
+            model=model or (sc.model if sc else base.model),
+            gpu=gpu or (sc.gpu if sc else base.gpu),
+            policy=pol, fault=fault, seed=seed,
+            budget_bytes=budget * GIB if budget is not None else base.budget_bytes,
+        )
+        if budget is not None and budget < 0:
+            raise ValueError(f"--budget must be >= 0 GiB, got {budget}")
+        from lumend.engine.costmodel import load_cost_model
+
+        load_cost_model(cfg.model, cfg.gpu)
+        per_worker = rate if rate is not None else (sc.rate_per_worker if sc else None)
+        workload = _workload(trace, cfg, per_worker,
+                             duration if duration is not None else (sc.duration_s if sc else None))
+    except TraceError as exc:
+        _fail(EXIT_USAGE, str(exc))
+    except (ValueError, PresetError) as exc:
+        _fail(EXIT_USAGE, str(exc))
+
+    try:
+        runs = _run(workload, cfg, names, fmt)
+    except SimError as exc:
+        _fail(EXIT_FAILED, str(exc))
+    doc = _document(scenario, cfg, workload, runs)
+    if fmt is Fmt.json:
+        from lumenctl.render import as_json
+
+        typer.echo(as_json(doc))
+    elif fmt is Fmt.yaml:
+        from lumenctl.render import as_yaml
+
+        typer.echo(as_yaml(doc))
+    else:
+        _print_table(doc)
+    if plot is not None:
+        from lumend.sim.plot import plot_timelines
+
+        title = f"{scenario or 'custom'}: {cfg.workers} x {cfg.model} on {cfg.gpu}, " \
+                f"fault {cfg.fault.kind.value}"
+        try:
+            plot_timelines(runs, fault.at_s if kind is not FaultKind.none else None, plot, title)
+        except OSError as exc:
+            _fail(EXIT_FAILED, f"cannot write {plot}: {exc.strerror}")
+
+
+def _workload(trace: Path | None, cfg: SimConfig, per_worker: float | None,
+              duration: float | None) -> Workload:
+    from lumend.sim.workload import read_trace, synthetic
+
+    if trace is None:
+        total = (per_worker if per_worker is not None else 5.9) * cfg.workers
+        return synthetic(total, duration if duration is not None else 900.0, cfg.seed)
+    workload = read_trace(trace)
+    if per_worker is not None:
+        workload = workload.scaled_to_rate(per_worker * cfg.workers)
+    if duration is not None:
+        workload = workload.truncated(duration)
+    return workload
+
+
+def _run(workload: Workload, cfg: SimConfig, names: list[str], fmt: Fmt) -> list[PolicyRun]:
+    from lumend.sim.runner import run_policies
+
+    if fmt is not Fmt.table or not sys.stderr.isatty() or len(workload) < 50_000:
+        return run_policies(workload, cfg, names)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("simulating", total=len(names))
+        return run_policies(workload, cfg, names, on_done=lambda _: progress.advance(task))
+
+
+def _document(scenario: str | None, cfg: SimConfig, workload: Workload,
+              runs: list[PolicyRun]) -> dict[str, Any]:
+    from lumend.sim.runner import metrics_document
+
+    policies = [metrics_document(r.metrics) for r in runs]
+    for p, r in zip(policies, runs, strict=True):
+        p["wall_s"] = round(r.wall_s, 3)
+    by_name = {p["policy"]: p for p in policies}
+    comparisons = []
+    for other in ("stop_and_restart", "fixed_checkpoint"):
+        if "lumen" in by_name and other in by_name:
+            comparisons.append({"policy": "lumen", "versus": other,
+                                **_relative(by_name["lumen"], by_name[other])})
+    return {
+        "scenario": scenario,
+        "workers": cfg.workers, "model": cfg.model, "gpu": cfg.gpu,
+        "fault": cfg.fault.kind.value, "fault_at_s": cfg.fault.at_s,
+        "requests": len(workload), "rate_rps": round(workload.rate(), 3),
+        "theta": cfg.policy.theta, "tau": cfg.policy.tau,
+        "budget_gib": cfg.budget_bytes / (1 << 30), "seed": cfg.seed,
+        "policies": policies, "comparisons": comparisons,
+    }
+
+
+def _relative(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key in ("mean_ttft_s", "mean_tpot_s", "recovery_time_s"):
+        x, y = a[key], b[key]
+        out[f"{key.removesuffix('_s')}_change_pct"] = (
+            round(100 * (x - y) / y, 1) if x is not None and y else None)
+    return out
+
+
+def _print_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tty = sys.stdout.isatty()
+    console = Console(no_color=not tty, width=None if tty else 160)
+    head = (f"{doc['scenario'] or 'custom'}: {doc['workers']} workers, {doc['model']} on "
+            f"{doc['gpu']}, {doc['requests']} requests at {doc['rate_rps']} req/s, fault "
+            f"{doc['fault']} at {doc['fault_at_s']:g} s")
+    table = Table(title=head, title_justify="left")
+    for col in ("POLICY", "TTFT ref -> fault", "TTFT P99", "TPOT ref -> fault", "RECOVERY",
+                "INTERRUPTED", "RESUMED", "REPLAY TTFT", "CKPT COVERAGE"):
+        table.add_column(col)
+    for p in doc["policies"]:
+        table.add_row(
+            p["policy"],
+            f"{_s(p['baseline_mean_ttft_s'])} -> {_s(p['mean_ttft_s'])}",
+            _s(p["p99_ttft_s"]),
+            f"{_ms(p['baseline_mean_tpot_s'])} -> {_ms(p['mean_tpot_s'])}",
+            "never" if p["recovery_time_s"] is None else _s(p["recovery_time_s"]),
+            str(p["interrupted"]), str(p["resumed"]),
+            _s(p["replay_ttft_mean_s"]),
+            "-" if p["checkpoint_coverage"] is None else f"{100 * p['checkpoint_coverage']:.0f}%",
+        )
+    console.print(table)
+    for c in doc["comparisons"]:
+        parts = [f"{k.removesuffix('_change_pct')} {_pct(v)}" for k, v in c.items()
+                 if k.endswith("_pct")]
+        console.print(f"lumen vs {c['versus']}: " + ", ".join(parts))
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1000 * v:.1f} ms"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:+.1f}%"

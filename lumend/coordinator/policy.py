@@ -1,0 +1,270 @@
+"""LUMEN's placement and routing policies: pure functions of a load snapshot.
+
+The coordinator and the simulator (lumend/sim) call the same functions. Nothing here does
+I/O or keeps state between calls; a decision depends only on its arguments.
+
+Load estimate (paper Eq. 4): `L_hat(w) = alpha * sum_{r in C(w)} |KV_r| + beta * Q_w`, with
+C(w) the checkpoints held by w (their bytes) and Q_w the requests admitted to w and not
+finished (running plus waiting). Workers are indices into the snapshot's columns;
+ties go to the lowest index, so every decision is deterministic.
+
+* Algorithm 1 `choose_holder`: argmin L_hat over live workers other than the serving one
+  whose host-memory budget fits the checkpoint (Eq. 5), preferring workers on another node;
+  None when every budget is full (the request runs without a checkpoint).
+* Algorithm 2 `route_interrupted`: resume on the holder if L_hat(holder) <= theta or the
+  checkpointed prefix is longer than tau blocks, else recompute on the least-loaded
+  survivor (Eq. 6).
+* Algorithm 3 `choose_assist_target`: argmax L_hat over live workers.
+* Baselines: stop-and-restart (no checkpoints; recompute on the least-loaded survivor) and
+  fixed checkpointing (DejaVu: a static neighbour holds the checkpoints and interrupted
+  requests always go to it).
+
+`place_checkpoint`, `recover` and `assist_target` dispatch on `PolicyConfig.mode` and on the
+mechanism switches (used for ablations: each LUMEN mechanism replaces its fixed-checkpoint
+counterpart).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+GIB = float(1 << 30)
+
+
+class Mode(StrEnum):
+    stop_and_restart = "stop_and_restart"
+    fixed_checkpoint = "fixed_checkpoint"
+    lumen = "lumen"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Cluster-wide policy tunables (etcd `config`, or simulator options).
+
+    alpha weighs held checkpoint bytes (default: 1 per GiB), beta weighs queued requests,
+    theta is the L_hat above which a holder is "overloaded" for resumption, tau the prefix
+    length in blocks (16 tokens) above which resuming beats recomputing regardless of load.
+    The three switches matter in `lumen` mode only; turning one off puts the fixed
+    checkpointing counterpart in its place.
+    """
+
+    alpha: float = 1.0 / GIB
+    beta: float = 1.0
+    theta: float = 48.0
+    tau: int = 64
+    mode: Mode = Mode.lumen
+    load_aware_placement: bool = True
+    adaptive_routing: bool = True
+    draft_assist: bool = True
+
+    def __post_init__(self) -> None:
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError(f"alpha and beta must be >= 0, got {self.alpha}, {self.beta}")
+        if self.tau < 0:
+            raise ValueError(f"tau must be >= 0 blocks, got {self.tau}")
+
+    @property
+    def checkpoints(self) -> bool:
+        return self.mode is not Mode.stop_and_restart
+
+    @property
+    def uses_assist(self) -> bool:
+        return self.mode is Mode.lumen and self.draft_assist
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One worker as the coordinator reads it from etcd."""
+
+    name: str
+    node: str
+    ckpt_bytes: float
+    queue: int
+    budget_bytes: float = math.inf
+    alive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The cluster's load, column-wise: worker i is index i of every column.
+
+    Columns are read-only sequences; the simulator passes its live lists (cheap), the
+    coordinator builds tuples with `from_workers`.
+    """
+
+    nodes: Sequence[str]
+    ckpt_bytes: Sequence[float]
+    queue: Sequence[int]
+    budget_bytes: Sequence[float]
+    alive: Sequence[bool]
+
+    @classmethod
+    def from_workers(cls, workers: Sequence[WorkerLoad]) -> LoadSnapshot:
+        return cls(
+            nodes=tuple(w.node for w in workers),
+            ckpt_bytes=tuple(w.ckpt_bytes for w in workers),
+            queue=tuple(w.queue for w in workers),
+            budget_bytes=tuple(w.budget_bytes for w in workers),
+            alive=tuple(w.alive for w in workers),
+        )
+
+    def __len__(self) -> int:
+        return len(self.alive)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where an interrupted request goes: `resume` from its checkpoint there, or recompute."""
+
+    worker: int
+    resume: bool
+
+
+def load_hat(snapshot: LoadSnapshot, worker: int, cfg: PolicyConfig) -> float:
+    return cfg.alpha * snapshot.ckpt_bytes[worker] + cfg.beta * snapshot.queue[worker]
+
+
+def loads(snapshot: LoadSnapshot, cfg: PolicyConfig) -> list[float]:
+    """L_hat of every worker; dead workers get +inf."""
+    # map() keeps this loop in C: the simulator calls it for every admission.
+    values = list(map(operator.add, map(cfg.alpha.__mul__, snapshot.ckpt_bytes),
+                      map(cfg.beta.__mul__, snapshot.queue)))
+    if not all(snapshot.alive):
+        for i, ok in enumerate(snapshot.alive):
+            if not ok:
+                values[i] = math.inf
+    return values
+
+
+def _argmin(values: list[float]) -> int | None:
+    best = min(values, default=math.inf)
+    return None if best == math.inf else values.index(best)
+
+
+def least_loaded(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
+    """argmin L_hat over live workers: admission, and recompute targets."""
+    return _argmin(loads(snapshot, cfg))
+
+
+def choose_holder(
+    snapshot: LoadSnapshot, serving: int, kv_bytes: float, cfg: PolicyConfig
+) -> int | None:
+    """Algorithm 1: the checkpoint holder for a request served by `serving`."""
+    inf = math.inf
+    values = [
+        v if h + kv_bytes <= b else inf
+        for v, h, b in zip(loads(snapshot, cfg), snapshot.ckpt_bytes, snapshot.budget_bytes,
+                           strict=True)
+    ]
+    values[serving] = inf
+    away = _other_node_mask(tuple(snapshot.nodes), serving)
+    choice = _argmin([v if m else inf for v, m in zip(values, away, strict=True)])
+    return choice if choice is not None else _argmin(values)
+
+
+@functools.lru_cache(maxsize=1024)
+def _other_node_mask(nodes: tuple[str, ...], serving: int) -> tuple[bool, ...]:
+    home = nodes[serving]
+    return tuple(node != home for node in nodes)
+
+
+def route_interrupted(
+    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig
+) -> Route | None:
+    """Algorithm 2. `holder` is None when the request has no usable checkpoint (never
+    placed, or its holder died); `prefix_blocks` is the checkpointed prefix length."""
+    if holder is not None and snapshot.alive[holder] and prefix_blocks > 0 and (
+        load_hat(snapshot, holder, cfg) <= cfg.theta or prefix_blocks > cfg.tau
+    ):
+        return Route(holder, resume=True)
+    target = least_loaded(snapshot, cfg)
+    return None if target is None else Route(target, resume=False)
+
+
+def choose_assist_target(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
+    """Algorithm 3: the most loaded live worker (the one a draft model helps most)."""
+    values = loads(snapshot, cfg)
+    live = [v if v != math.inf else -math.inf for v in values]
+    best = max(live, default=-math.inf)
+    return None if best == -math.inf else live.index(best)
+
+
+# -- baselines ----------------------------------------------------------------------------
+
+
+def neighbour_holder(snapshot: LoadSnapshot, serving: int, kv_bytes: float) -> int | None:
+    """Fixed checkpointing's static holder: the worker at the same position on the next node
+    (nodes in order of first appearance; the next worker when there is one node); None if it
+    is dead or its budget is full. Static, so it spreads evenly but ignores load."""
+    neighbour = _neighbours(tuple(snapshot.nodes))[serving]
+    if neighbour is None:
+        return None
+    fits = snapshot.ckpt_bytes[neighbour] + kv_bytes <= snapshot.budget_bytes[neighbour]
+    return neighbour if snapshot.alive[neighbour] and fits else None
+
+
+@functools.lru_cache(maxsize=64)
+def _neighbours(nodes: tuple[str, ...]) -> tuple[int | None, ...]:
+    """The static neighbour of every worker; a function of the topology only."""
+    n = len(nodes)
+    if n < 2:
+        return (None,) * n
+    by_node: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(i)
+    groups = list(by_node.values())
+    if len(groups) == 1:
+        return tuple((i + 1) % n for i in range(n))
+    out: list[int | None] = [None] * n
+    for k, group in enumerate(groups):
+        nxt = groups[(k + 1) % len(groups)]
+        for position, i in enumerate(group):
+            out[i] = nxt[position % len(nxt)]
+    return tuple(out)
+
+
+def restart_route(snapshot: LoadSnapshot, cfg: PolicyConfig) -> Route | None:
+    """Stop-and-restart: recompute on the least-loaded survivor."""
+    target = least_loaded(snapshot, cfg)
+    return None if target is None else Route(target, resume=False)
+
+
+def holder_route(
+    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig
+) -> Route | None:
+    """Fixed checkpointing: always resume on the holder when it has the checkpoint."""
+    if holder is not None and snapshot.alive[holder] and prefix_blocks > 0:
+        return Route(holder, resume=True)
+    return restart_route(snapshot, cfg)
+
+
+# -- dispatch by mode -----------------------------------------------------------------------
+
+
+def place_checkpoint(
+    snapshot: LoadSnapshot, serving: int, kv_bytes: float, cfg: PolicyConfig
+) -> int | None:
+    if cfg.mode is Mode.stop_and_restart:
+        return None
+    if cfg.mode is Mode.lumen and cfg.load_aware_placement:
+        return choose_holder(snapshot, serving, kv_bytes, cfg)
+    return neighbour_holder(snapshot, serving, kv_bytes)
+
+
+def recover(
+    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig
+) -> Route | None:
+    if cfg.mode is Mode.stop_and_restart:
+        return restart_route(snapshot, cfg)
+    if cfg.mode is Mode.lumen and cfg.adaptive_routing:
+        return route_interrupted(snapshot, holder, prefix_blocks, cfg)
+    return holder_route(snapshot, holder, prefix_blocks, cfg)
+
+
+def assist_target(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
+    return choose_assist_target(snapshot, cfg) if cfg.uses_assist else None

@@ -1,0 +1,159 @@
+"""Simulator configuration: cluster and engine parameters, faults, named policies, scenarios."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from lumend.coordinator.policy import GIB, Mode, PolicyConfig
+
+
+class FaultKind(StrEnum):
+    none = "none"
+    worker = "worker"          # one worker (index 0) fails
+    fraction = "fraction"      # a seeded random fraction of the workers fail at once
+    node = "node"              # every worker of node 0 fails
+    correlated = "correlated"  # worker 0 and the worker holding most of its checkpoints
+    gray = "gray"              # worker 0 keeps running, slowed down by a factor
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    kind: FaultKind = FaultKind.none
+    at_s: float = 300.0
+    fraction: float = 0.25
+    slowdown: float = 3.0
+    gray_duration_s: float | None = None  # None: slowed until the end of the run
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fail fraction must be in (0, 1], got {self.fraction}")
+        if self.slowdown < 1:
+            raise ValueError(f"gray slowdown must be >= 1, got {self.slowdown}")
+        if self.at_s < 0:
+            raise ValueError(f"fault time must be >= 0 s, got {self.at_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    workers: int = 4
+    model: str = "qwen3-32b"
+    gpu: str = "a100-tp4"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    fault: FaultSpec = field(default_factory=FaultSpec)
+    seed: int = 0
+    # Engine (vLLM-like): token budget per step (decode tokens count against it), sequences.
+    chunk_tokens: int = 2048
+    max_batch: int = 256
+    kv_capacity_tokens: int | None = None  # None: from GPU memory and model size
+    block_tokens: int = 16
+    # Host and network.
+    budget_bytes: float = 64 * GIB          # host memory per worker for peers' checkpoints
+    link_bytes_per_s: float = 12.5e9        # checkpoint stream out of each worker (100 GbE)
+    restore_bytes_per_s: float = 25e9       # host -> GPU when resuming from a checkpoint
+    disk_bytes_per_s: float = 2e9           # weight loading (plain safetensors)
+    init_s: float = 20.0                    # engine init after the weights are read
+    draft_init_s: float = 5.0
+    node_boot_s: float = 0.0                # extra delay before a failed node's workers load
+    spec_tokens: int = 4                    # draft length k
+    spec_acceptance: float = 0.6            # per-token acceptance a
+    assist_rtt_s: float = 0.001             # per verify step, drafts fetched over the network
+    # Measurement.
+    window_s: float = 300.0                 # failure-impact window after the fault
+    bin_s: float = 10.0                     # TTFT bins for recovery detection and plots
+    sample_s: float = 5.0                   # queue-depth sampling period
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"need at least one worker, got {self.workers}")
+        if self.chunk_tokens < 1 or self.max_batch < 1 or self.block_tokens < 1:
+            raise ValueError("chunk_tokens, max_batch and block_tokens must be >= 1")
+        if not 0 <= self.spec_acceptance < 1:
+            raise ValueError(f"spec acceptance must be in [0, 1), got {self.spec_acceptance}")
+        for name in ("link_bytes_per_s", "restore_bytes_per_s", "disk_bytes_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    def with_policy(self, policy: PolicyConfig) -> SimConfig:
+        return replace(self, policy=policy)
+
+    def without_fault(self) -> SimConfig:
+        return replace(self, fault=replace(self.fault, kind=FaultKind.none))
+
+
+# -- named policies -------------------------------------------------------------------------
+
+MAIN_POLICIES = ("stop_and_restart", "fixed_checkpoint", "lumen")
+# Ablation: each LUMEN mechanism on top of fixed checkpointing, alone and in pairs.
+MECHANISMS = {"placement": "load_aware_placement", "routing": "adaptive_routing",
+              "assist": "draft_assist"}
+ABLATION_POLICIES = (
+    "fixed_checkpoint", "lumen-placement", "lumen-routing", "lumen-assist",
+    "lumen-placement+routing", "lumen-placement+assist", "lumen-routing+assist", "lumen",
+)
+
+
+def policy_names() -> list[str]:
+    return [*MAIN_POLICIES, *ABLATION_POLICIES[1:-1]]
+
+
+def named_policy(name: str, base: PolicyConfig) -> PolicyConfig:
+    """`base` (theta, tau, alpha, beta) with the mode and mechanisms a policy name means."""
+    if name == "stop_and_restart":
+        return replace(base, mode=Mode.stop_and_restart)
+    if name == "fixed_checkpoint":
+        return replace(base, mode=Mode.fixed_checkpoint)
+    if name == "lumen":
+        return replace(base, mode=Mode.lumen, load_aware_placement=True,
+                       adaptive_routing=True, draft_assist=True)
+    if name.startswith("lumen-"):
+        parts = name.removeprefix("lumen-").split("+")
+        if parts and all(p in MECHANISMS for p in parts):
+            switches = {flag: key in parts for key, flag in MECHANISMS.items()}
+            return replace(base, mode=Mode.lumen, **switches)
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}, "
+                     "all, ablation")
+
+
+def expand_policies(spec: str) -> list[str]:
+    """`all` -> the three main policies, `ablation` -> the mechanism ablation, or a
+    comma-separated list of names."""
+    if spec == "all":
+        return list(MAIN_POLICIES)
+    if spec == "ablation":
+        return list(ABLATION_POLICIES)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for n in names:
+        named_policy(n, PolicyConfig())
+    if not names:
+        raise ValueError("no policy named")
+    return names
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    description: str
+    workers: int
+    model: str
+    gpu: str
+    fault: FaultKind
+    fail_fraction: float
+    # Requests/s per worker (the trace is scaled to this). Chosen so the failure-free run is
+    # as loaded as the paper's 4-worker baseline (TPOT ~139 ms; near saturation for 14B).
+    rate_per_worker: float
+    duration_s: float
+    fault_at_s: float
+
+
+SCENARIOS = {
+    "paper-4w": Scenario("4 workers, Qwen3-32B, one worker fails", 4, "qwen3-32b", "a100-tp4",
+                         FaultKind.worker, 0.25, 5.9, 900.0, 300.0),
+    "paper-8w": Scenario("8 workers, Qwen3-14B, one worker fails", 8, "qwen3-14b", "a100-tp4",
+                         FaultKind.worker, 0.25, 13.0, 900.0, 300.0),
+    "paper-scale": Scenario("Llama-3-70B, 25% of the workers fail (use --workers 4..64)", 64,
+                            "llama-3-70b", "a100-tp4", FaultKind.fraction, 0.25, 2.35, 900.0,
+                            300.0),
+}

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TINY = ["--synthetic", "--workers", "4", "--model", "sim-small", "--gpu", "h100-tp4",
+        "--rate", "30", "--duration", "60", "--fail-at", "20", "--seed", "1"]
+
+
+def lumenctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lumenctl", *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_json_output_has_every_policy_and_the_comparison(tmp_path: Path) -> None:
+    plot = tmp_path / "timeline.png"
+    done = lumenctl("-o", "json", "sim", *TINY, "--policy", "all", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    names = [p["policy"] for p in doc["policies"]]
+    assert names == ["stop_and_restart", "fixed_checkpoint", "lumen"]
+    for p in doc["policies"]:
+        assert p["mean_ttft_s"] > 0 and p["mean_tpot_s"] > 0
+        assert "recovery_time_s" in p
+    assert [c["versus"] for c in doc["comparisons"]] == ["stop_and_restart", "fixed_checkpoint"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_output_and_local_output_option() -> None:
+    done = lumenctl("sim", *TINY, "--policy", "lumen", "--fail", "node")
+    assert done.returncode == 0, done.stderr
+    assert "lumen" in done.stdout and "TTFT" in done.stdout
+    as_json = lumenctl("sim", *TINY, "--policy", "stop_and_restart", "-o", "json")
+    assert json.loads(as_json.stdout)["fault"] == "worker"
+
+
+def test_malformed_trace_names_line_and_column(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.1,100,10\n"
+                     "0.2,1x0,10\n")
+    done = lumenctl("sim", "--trace", str(trace), "--workers", "2")
+    assert done.returncode == 2
+    assert f"{trace}:3: column 2 (num_prefill_tokens): '1x0' is not an integer" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_usage_errors_exit_2() -> None:
+    both = lumenctl("sim", "--trace", "x.csv", "--synthetic")
+    assert both.returncode == 2 and "exclude each other" in both.stderr
+    model = lumenctl("sim", "--synthetic", "--model", "gpt-9")
+    assert model.returncode == 2 and "unknown model 'gpt-9'" in model.stderr
+    policy = lumenctl("sim", "--synthetic", "--policy", "magic")
+    assert policy.returncode == 2 and "unknown policy 'magic'" in policy.stderr
