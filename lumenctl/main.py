@@ -226,19 +226,43 @@ def failover(
     worker: str = typer.Argument(..., help="A worker name."),
     reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
     cancel: bool = typer.Option(False, "--cancel", help="Withdraw a pending failover intent."),
+    wait: bool = typer.Option(
+        False, "--wait", help="Wait until the worker's node has switched, and report the time."),
+    timeout_s: float = typer.Option(120.0, "--wait-timeout", help="Seconds --wait waits."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
-    """Hand a worker's serving role to its shadow engine (writes a failover intent)."""
+    """Hand a worker's serving role to its shadow engine: the node running the worker lets
+    the active engine finish, release the failover lock and a shadow take over."""
+    c: Context = ctx.obj
     if cancel:
-        _remove_intent(ctx.obj, "failover", worker)
-    else:
-        _write_intent(ctx.obj, "failover", worker, reason, False, yes, workers_only=True)
+        _remove_intent(c, "failover", worker)
+        return
+    requested_at = _write_intent(c, "failover", worker, reason, False, yes, workers_only=True)
+    if wait:
+        _wait_for_failover(c, worker, requested_at, timeout_s)
+
+
+def _wait_for_failover(c: Context, worker: str, requested_at: float, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        view = _run(c, lambda store: _read_view(c, store))
+        for event in reversed(view.events):
+            if (event.kind in ("failover_done", "failover_refused")
+                    and event.at >= requested_at and f"failover of {worker}" in event.message):
+                typer.echo(event.message)
+                if event.kind == "failover_refused":
+                    raise typer.Exit(EXIT_FAILED)
+                return
+        time.sleep(0.1)
+    _fail(EXIT_FAILED, f"no node carried out the failover of {worker} within {timeout_s:g} s; "
+          "the intent stays (see `lumenctl status`; withdraw it with --cancel)")
 
 
 def _write_intent(
     c: Context, kind: str, target: str, reason: str, migrate: bool, yes: bool,
     *, workers_only: bool,
-) -> None:
+) -> float:
+    """Write the intent (and its event); returns the time it was requested."""
     view = _run(c, lambda store: _read_view(c, store))
     if target in view.workers:
         target_kind = "worker"
@@ -271,6 +295,7 @@ def _write_intent(
 
     _run(c, write)
     typer.echo(f"{kind} intent written for {target_kind} {target}")
+    return now
 
 
 def _remove_intent(c: Context, kind: str, target: str) -> None:

@@ -1,0 +1,93 @@
+"""Carries out `lumenctl failover WORKER` for this node's workers.
+
+The intent is read from the node's fresh cluster view each cycle; the switchover runs once
+per intent; the intent is then removed and the outcome recorded as an event, in one
+transaction, so `lumenctl failover --wait` can report it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from lumend.cluster.keys import Keys
+from lumend.cluster.models import Event, encode_value
+from lumend.cluster.store import Delete, Put, Store, StoreError
+from lumend.cluster.view import ClusterView
+from lumend.failover.supervisor import WorkerSupervisor
+
+log = logging.getLogger("lumend.failover")
+
+EVENT_DONE = "failover_done"
+EVENT_REFUSED = "failover_refused"
+
+
+class FailoverIntents:
+    def __init__(self, node: str, store: Store, keys: Keys,
+                 supervisors: dict[str, WorkerSupervisor],
+                 view: Callable[[], ClusterView | None]) -> None:
+        self._node = node
+        self._store = store
+        self._keys = keys
+        self._supervisors = supervisors
+        self._view = view
+        self._running: dict[str, asyncio.Task[None]] = {}
+        # Intents already carried out, by (worker, requested_at): the view that still shows
+        # one may be older than the transaction that removed it.
+        self._handled: set[tuple[str, float]] = set()
+
+    async def run(self, stop: asyncio.Event, every_s: float = 0.2) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            while not stop.is_set():
+                self.start_new(session)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), every_s)
+            for task in self._running.values():
+                task.cancel()
+
+    def start_new(self, session: aiohttp.ClientSession) -> None:
+        view = self._view()
+        if view is None:
+            return
+        for intent in view.intents:
+            identity = (intent.target, intent.requested_at)
+            if (intent.kind == "failover" and intent.target in self._supervisors
+                    and intent.target not in self._running and identity not in self._handled):
+                self._handled.add(identity)
+                worker = intent.target
+                task = asyncio.create_task(self._switch(session, worker))
+                self._running[worker] = task
+                task.add_done_callback(self._finished(worker))
+
+    def _finished(self, worker: str) -> Callable[[asyncio.Task[None]], None]:
+        def done(_: asyncio.Task[None]) -> None:
+            self._running.pop(worker, None)
+
+        return done
+
+    async def _switch(self, session: aiohttp.ClientSession, worker: str) -> None:
+        supervisor = self._supervisors[worker]
+        try:
+            seconds = await supervisor.switchover(session)
+        except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
+            kind, message = EVENT_REFUSED, f"failover of {worker} not done: {exc}"
+        else:
+            active = next((s.spec.engine_id for s in supervisor.slots if s.state == "active"),
+                          "?")
+            kind = EVENT_DONE
+            message = f"failover of {worker}: {active} active {seconds:.3f} s after the request"
+        log.info("%s", message)
+        now = time.time()
+        event = Event(at=now, kind=kind, source=self._node, message=message)
+        try:
+            await self._store.txn([], [
+                Delete(self._keys.intent("failover", worker)),
+                Put(self._keys.event(int(now * 1000), self._node, 0), encode_value(event)),
+            ])
+        except StoreError as exc:
+            log.warning("could not record the failover of %s: %s", worker, exc)
