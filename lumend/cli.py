@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from pathlib import Path
 
 import typer
@@ -20,6 +19,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
+EXIT_FAILED = 1
 EXIT_CONFIG = 2
 
 
@@ -42,20 +42,23 @@ def run(
     ),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
-    """Run the node until SIGTERM or SIGINT (then resign and deregister)."""
+    """Run the node until SIGTERM or SIGINT (then resign and deregister); SIGHUP reloads the
+    config. Under systemd (Type=notify) it reports readiness, status and watchdog pings."""
     config = load_config_or_exit(config_path)
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
         typer.echo(f"--log-level {log_level!r} is not a level; use debug, info, warning or "
                    "error", err=True)
         raise typer.Exit(EXIT_CONFIG)
-    logging.basicConfig(
-        level=level, stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    from lumend.daemon import run_node  # deferred: check-config stays light
+    from lumend.daemon import StartupError, run_node  # deferred: check-config stays light
+    from lumend.notify import log_handler
 
-    asyncio.run(run_node(config))
+    logging.basicConfig(level=level, handlers=[log_handler(config.node.name)])
+    try:
+        asyncio.run(run_node(config, config_path))
+    except StartupError as exc:
+        logging.getLogger("lumend").error("cannot start: %s", exc)
+        raise typer.Exit(EXIT_FAILED) from None
 
 
 @app.command("version")

@@ -1,4 +1,5 @@
-"""Wires a node together from its config and runs it until SIGTERM/SIGINT."""
+"""Wires a node together from its config and runs it: the HA loop, systemd notifications and
+the watchdog, metrics, config reload on SIGHUP, and a graceful stop on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -6,14 +7,40 @@ import asyncio
 import logging
 import signal
 import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
 
 from lumend.cluster.agent import AgentTiming, ClusterAgent, NodeIdentity
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import WorkerRecord
 from lumend.cluster.store import EtcdStore, TlsFiles
-from lumend.config import NodeConfig
+from lumend.config import ConfigError, NodeConfig, load_config
+from lumend.metrics import MetricsBindError, MetricsServer, NodeCollector, NodeMetrics
+from lumend.notify import Notifier, Readiness, SystemdLink, watchdog_interval_s
+from lumend.reload import LIVE_KEYS, plan_reload
 
 log = logging.getLogger("lumend")
+
+WorkersReadiness = Callable[[], Readiness]
+
+
+def engines_not_supervised() -> Readiness:
+    """Worker readiness until the engine supervisor exists (lumend/failover).
+
+    Workers are registered in state `starting` with no engines, and nothing will change
+    that, so waiting for them would never end: the node is ready once it is registered.
+    The supervisor replaces this hook with one that is ready when every worker has an
+    active engine serving (or a shadow standing by), so READY=1 and `systemctl start` wait
+    for the models to load, with EXTEND_TIMEOUT_USEC keeping the start job alive meanwhile.
+    """
+    return Readiness(True, "registered; engines are not supervised yet, workers stay starting")
+
+
+class StartupError(Exception):
+    """lumend cannot start; the message says why and what to do."""
 
 
 def identity_of(config: NodeConfig) -> NodeIdentity:
@@ -55,28 +82,162 @@ def make_store(config: NodeConfig) -> EtcdStore:
     )
 
 
-async def run_node(config: NodeConfig) -> None:
-    store = make_store(config)
-    agent = ClusterAgent(
-        store,
-        Keys(config.etcd.cluster),
-        identity_of(config),
-        AgentTiming.for_ttl(config.etcd.lease_ttl_s, config.etcd.heartbeat_interval_s),
-        workers=lambda: configured_workers(config),
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log.info(
-        "lumend %s: node %s, cluster %r, etcd %s, lease ttl %d s",
-        config.node.name, config.node.name, config.etcd.cluster,
-        ", ".join(config.etcd.endpoints), config.etcd.lease_ttl_s,
-    )
-    try:
-        await agent.run(stop)
-    finally:
-        log.info("stopping: resigning roles and deregistering")
-        await agent.shutdown()
-        await store.close()
-        log.info("stopped")
+def workers_summary(workers: list[WorkerRecord]) -> str:
+    if not workers:
+        return "no workers"
+    counts = Counter(w.state for w in workers)
+    noun = "worker" if len(workers) == 1 else "workers"
+    if len(counts) == 1:
+        return f"{len(workers)} {noun} {workers[0].state}"
+    return f"{len(workers)} {noun}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+async def run_node(
+    config: NodeConfig,
+    config_path: Path | None = None,
+    *,
+    workers_ready: WorkersReadiness = engines_not_supervised,
+) -> None:
+    await Node(config, config_path, workers_ready).run()
+
+
+class Node:
+    def __init__(
+        self, config: NodeConfig, config_path: Path | None, workers_ready: WorkersReadiness
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.store = make_store(config)
+        self.agent = ClusterAgent(
+            self.store,
+            Keys(config.etcd.cluster),
+            identity_of(config),
+            AgentTiming.for_ttl(config.etcd.lease_ttl_s, config.etcd.heartbeat_interval_s),
+            workers=self.workers,
+        )
+        self.link = SystemdLink(
+            Notifier.from_env(), self.agent, workers_ready, self.status_text,
+            watchdog_s=watchdog_interval_s(),
+        )
+        self.metrics = NodeMetrics(NodeCollector(
+            self.agent, config.node.name, config.etcd.cluster, self.workers,
+            ready=lambda: self.link.readiness().ready,
+        ))
+        self.agent.cycle_listeners += [self.metrics.observe_cycle, self.link.poke]
+        self.server = MetricsServer(self.metrics)
+
+    def workers(self) -> list[WorkerRecord]:
+        return configured_workers(self.config)
+
+    def status_text(self) -> str:
+        return f"{workers_summary(self.workers())}; {self.agent.status}"
+
+    async def run(self) -> None:
+        config = self.config
+        stop = asyncio.Event()
+        reload_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_stop(sig: signal.Signals) -> None:
+            if not stop.is_set():
+                log.info("%s: stopping", sig.name)
+                self.link.stop(sig.name)
+                stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_stop, sig)
+        loop.add_signal_handler(signal.SIGHUP, reload_requested.set)
+        log.info(
+            "lumend %s: node %s, cluster %r, etcd %s, lease ttl %d s, systemd notify %s, "
+            "watchdog %s",
+            config.node.name, config.node.name, config.etcd.cluster,
+            ", ".join(config.etcd.endpoints), config.etcd.lease_ttl_s,
+            self.link_via(), f"{self.link.watchdog_s:g} s" if self.link.watchdog_s else "off",
+        )
+        try:
+            await self.server.start(config.metrics.listen)
+        except MetricsBindError as exc:
+            await self.store.close()
+            raise StartupError(str(exc)) from None
+        tasks = [
+            asyncio.create_task(self.link.run(stop), name="systemd-link"),
+            asyncio.create_task(self._reloads(stop, reload_requested), name="reload"),
+        ]
+        try:
+            await self.agent.run(stop)
+        finally:
+            if not self.link.stopping:
+                self.link.stop("the HA loop ended")
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            log.info("stopping: resigning roles and deregistering")
+            await self.agent.shutdown()
+            await self.store.close()
+            await self.server.stop()
+            log.info("stopped")
+
+    def link_via(self) -> str:
+        notifier = self.link.notifier
+        return f"via {notifier.via} to {notifier.address}" if notifier.enabled else "off"
+
+    # -- reload -------------------------------------------------------------------------------
+
+    async def _reloads(self, stop: asyncio.Event, requested: asyncio.Event) -> None:
+        while not stop.is_set():
+            waiters = [asyncio.ensure_future(e.wait()) for e in (stop, requested)]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+            if requested.is_set() and not stop.is_set():
+                requested.clear()
+                await self.reload()
+
+    async def reload(self) -> str:
+        """Re-read the config file: apply what can change live, refuse the rest (logged)."""
+        self.link.reloading()
+        outcome, result = await self._reload()
+        self.metrics.reloads.labels(result).inc()
+        log.info("SIGHUP: %s", outcome)
+        self.link.reloaded(outcome)
+        return outcome
+
+    async def _reload(self) -> tuple[str, str]:
+        if self.config_path is None:
+            return "reload skipped: lumend was started without a config file", "invalid"
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            for line in str(exc).splitlines():
+                log.error("reload rejected: %s", line)
+            return (f"reload rejected: {len(exc.problems)} problems in {self.config_path}; "
+                    "the running config stays in force", "invalid")
+        plan = plan_reload(self.config, new)
+        refused = list(plan.refused)
+        config = plan.config
+        for key in plan.refused:
+            log.warning("reload: %s changed but cannot change while lumend runs; the old "
+                        "value stays in force until a restart (systemctl restart lumend)", key)
+        applied = []
+        for key in plan.live:
+            if key == "metrics.listen":
+                try:
+                    await self.server.rebind(config.metrics.listen)
+                except MetricsBindError as exc:
+                    log.error("reload: %s; metrics stay on %s", exc, self.config.metrics.listen)
+                    config = msgspec.structs.replace(config, metrics=self.config.metrics)
+                    refused.append(key)
+                    continue
+            log.info("reload: applied %s: %s", key, LIVE_KEYS[key])
+            applied.append(key)
+        self.config = config
+        if not applied and not refused:
+            return "reloaded: no changes", "applied"
+        parts = []
+        if applied:
+            parts.append("applied " + ", ".join(applied))
+        if refused:
+            parts.append("needs a restart for " + ", ".join(refused))
+        return "reloaded: " + "; ".join(parts), "refused" if refused else "applied"

@@ -1,0 +1,195 @@
+"""Prometheus metrics of one node, served over HTTP on `[metrics] listen` (GET /metrics).
+
+Most values are read from the HA loop at scrape time (a custom collector), so a family
+exists only while something really maintains it; the cycle-duration histogram and the
+reload counter are observed as events happen. Names follow Prometheus conventions: the
+`lumen_` prefix, base units (seconds), `_total` for counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import get_args
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from lumend import __version__
+from lumend.cluster.agent import ClusterAgent, CycleReport
+from lumend.cluster.models import WorkerRecord, WorkerState
+from lumend.config import parse_listen
+
+log = logging.getLogger(__name__)
+
+WORKER_STATES: tuple[str, ...] = get_args(WorkerState)
+CYCLE_OUTCOMES = ("ok", "etcd_unavailable", "etcd_error")
+RELOAD_RESULTS = ("applied", "refused", "invalid")
+
+
+class NodeCollector(Collector):
+    """The node's state, read from the HA loop on every scrape."""
+
+    def __init__(
+        self,
+        agent: ClusterAgent,
+        node: str,
+        cluster: str,
+        workers: Callable[[], Sequence[WorkerRecord]],
+        ready: Callable[[], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._agent = agent
+        self._node = node
+        self._cluster = cluster
+        self._workers = workers
+        self._ready = ready
+        self._clock = clock
+        self.cycles: Counter[str] = Counter()
+
+    def observe_cycle(self, report: CycleReport) -> None:
+        self.cycles[report.outcome] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self._agent
+        info = GaugeMetricFamily("lumen_node_info", "This node: name, cluster and version "
+                                 "(always 1).", labels=["node", "cluster", "version"])
+        info.add_metric([self._node, self._cluster, __version__], 1)
+        yield info
+        yield _gauge("lumen_node_registered", "1 while this node's keys are registered in etcd "
+                     "on the lease it holds.", agent.registered)
+        yield _gauge("lumen_node_ready", "1 once the node is registered and its workers serve "
+                     "or stand by (what systemd's READY=1 means).", self._ready())
+        renewal_age = agent.lease.seconds_since_renewal()
+        yield _gauge("lumen_lease_renewal_age_seconds", "Seconds since the etcd lease was last "
+                     "renewed (+Inf without a lease).", renewal_age)
+        yield _gauge("lumen_lease_ttl_seconds", "TTL of this node's etcd lease.",
+                     agent.lease.ttl_s)
+
+        states: Counter[str] = Counter(w.state for w in self._workers())
+        workers = GaugeMetricFamily("lumen_workers", "This node's workers by state.",
+                                    labels=["state"])
+        for state in WORKER_STATES:
+            workers.add_metric([state], states.get(state, 0))
+        yield workers
+        view = agent.view
+        if view is not None:
+            yield _gauge("lumen_cluster_nodes", "Nodes registered in the cluster, as this "
+                         "node read them in its last HA cycle.", len(view.nodes))
+
+        yield _gauge("lumen_coordinator", "1 while this node holds the coordinator role.",
+                     agent.is_coordinator)
+        yield _gauge("lumen_coordinator_epoch", "Highest coordinator epoch this node has seen "
+                     "(the election's etcd create revision).", agent.fence.highest)
+        yield CounterMetricFamily("lumen_coordinator_elections", "Elections this node won.",
+                                  value=agent.elections_won)
+        yield CounterMetricFamily("lumen_coordinator_step_downs", "Times this node gave up the "
+                                  "coordinator role without a graceful stop.",
+                                  value=agent.step_downs)
+
+        cycles = CounterMetricFamily("lumen_ha_cycles", "HA loop iterations by outcome.",
+                                     labels=["outcome"])
+        for outcome in CYCLE_OUTCOMES:
+            cycles.add_metric([outcome], self.cycles.get(outcome, 0))
+        yield cycles
+        last = agent.last_cycle_at
+        age = math.inf if last is None else self._clock() - last
+        yield _gauge("lumen_ha_last_cycle_age_seconds", "Seconds since the HA loop last "
+                     "finished a cycle; the systemd watchdog stops when this exceeds "
+                     "WatchdogSec.", age)
+        yield CounterMetricFamily("lumen_etcd_keepalive_failures", "Lease keepalives that "
+                                  "etcd did not answer.", value=agent.keepalive_failures)
+
+
+def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+class NodeMetrics:
+    """The node's registry: the collector above, the event-driven metrics, process metrics."""
+
+    def __init__(self, collector: NodeCollector) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = collector
+        self.registry.register(collector)
+        for default in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(default)
+        self.cycle_duration = Histogram(
+            "lumen_ha_cycle_duration_seconds", "Duration of one HA loop cycle (read the "
+            "cluster, decide, act).", registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.reloads = PromCounter(
+            "lumen_config_reloads", "Config reloads (SIGHUP) by result: applied (every "
+            "change live), refused (some key needs a restart), invalid (file rejected).",
+            ["result"], registry=self.registry,
+        )
+        for result in RELOAD_RESULTS:
+            self.reloads.labels(result)
+
+    def observe_cycle(self, report: CycleReport) -> None:
+        self.collector.observe_cycle(report)
+        self.cycle_duration.observe(report.duration_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsBindError(Exception):
+    """The metrics listen address cannot be bound; the message names the key and the fix."""
+
+
+class MetricsServer:
+    """GET /metrics on one address; `rebind` moves it (a live config reload)."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._metrics = metrics
+        self._runner: web.AppRunner | None = None
+        self.listen: str | None = None
+
+    async def start(self, listen: str) -> None:
+        host, port = parse_listen(listen)
+        app = web.Application()
+        app.router.add_get("/metrics", self._handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise MetricsBindError(
+                f'metrics.listen = "{listen}": cannot listen there ({exc.strerror or exc}); '
+                "choose a free port or an address of this host"
+            ) from exc
+        self._runner, self.listen = runner, listen
+        log.info("serving metrics on http://%s/metrics", listen)
+
+    async def rebind(self, listen: str) -> None:
+        """Listen on `listen` instead; on failure the old address keeps serving."""
+        old_runner = self._runner
+        await self.start(listen)
+        if old_runner is not None:
+            await old_runner.cleanup()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.exposition(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})

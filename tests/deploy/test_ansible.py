@@ -1,0 +1,255 @@
+"""ansible/: syntax check, ansible-lint's production profile, and a real run of deploy.yml
+against three hosts on this machine (local connection, one prefix and port set each).
+
+Where systemd is not PID 1 (here) the roles start etcd and lumend as plain processes with
+start-stop-daemon and pid files; the fixture stops them by those pids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+import yaml
+
+from lumenctl.localcluster import free_ports
+
+from .conftest import read_view
+
+REPO = Path(__file__).parents[2]
+ANSIBLE = REPO / "ansible"
+BIN = Path(sys.executable).parent
+HOSTS = ("lumen-a", "lumen-b", "lumen-c")
+
+pytestmark = pytest.mark.skipif(
+    not (BIN / "ansible-playbook").exists() or shutil.which("start-stop-daemon") is None,
+    reason="needs ansible-core in the venv (pip install -e '.[dev]') and start-stop-daemon",
+)
+
+
+def ansible_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["ANSIBLE_NOCOLOR"] = "1"
+    env["ANSIBLE_FORCE_COLOR"] = "0"
+    env["ANSIBLE_HOST_KEY_CHECKING"] = "0"
+    env["ANSIBLE_RETRY_FILES_ENABLED"] = "0"
+    env["ANSIBLE_FORKS"] = "3"
+    return env
+
+
+def run(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, env=ansible_env(),
+                          timeout=600, **kwargs)
+
+
+def test_syntax_check() -> None:
+    result = run([str(BIN / "ansible-playbook"), "-i", str(ANSIBLE / "inventory.example.yml"),
+                  str(ANSIBLE / "deploy.yml"), "--syntax-check"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def lint(directory: Path) -> subprocess.CompletedProcess[str]:
+    return run([str(BIN / "ansible-lint"), "--offline", "--nocolor", "--profile", "production",
+                str(directory)], cwd=directory.parent)
+
+
+def test_ansible_lint_production_profile(tmp_path: Path) -> None:
+    result = lint(ANSIBLE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 failure(s), 0 warning(s)" in result.stdout + result.stderr
+
+    # Negative control: a role variable without the role's prefix fails the profile.
+    copy = tmp_path / "ansible"
+    shutil.copytree(ANSIBLE, copy)
+    defaults = copy / "roles" / "lumend" / "defaults" / "main.yml"
+    defaults.write_text(defaults.read_text() + "ready_retries: 3\n")
+    broken = lint(copy)
+    assert broken.returncode != 0
+    assert "var-naming[no-role-prefix]" in broken.stdout + broken.stderr
+
+
+def render_role_defaults(role: str) -> dict[str, Any]:
+    """The role's defaults, with references between them resolved (as Ansible would)."""
+    values: dict[str, Any] = yaml.safe_load((ANSIBLE / "roles" / role / "defaults" /
+                                             "main.yml").read_text())
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    for _ in range(5):
+        for key, value in values.items():
+            if isinstance(value, str) and "{{" in value:
+                # Some need facts or hostvars; the unit uses none of those.
+                with contextlib.suppress(jinja2.UndefinedError):
+                    values[key] = env.from_string(value).render(values)
+    return values
+
+
+def test_unit_template_renders_to_the_shipped_unit() -> None:
+    template = (ANSIBLE / "roles" / "lumend" / "templates" / "lumend.service.j2").read_text()
+    rendered = jinja2.Environment(keep_trailing_newline=True).from_string(template).render(
+        render_role_defaults("lumend"))
+    assert rendered == (REPO / "systemd" / "lumend.service").read_text()
+
+
+# -- the real run ----------------------------------------------------------------------------
+
+
+def host_vars(name: str, prefix: Path, ports: list[int], user: str) -> dict[str, Any]:
+    client, peer, gateway, rpc, checkpoint, metrics, engine = ports
+    return {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "ansible_become": False,
+        "etcd_address": "127.0.0.1",
+        "etcd_client_port": client,
+        "etcd_peer_port": peer,
+        "etcd_cluster_token": f"lumen-ansible-test-{os.getpid()}",
+        "etcd_data_dir": str(prefix / "var/lib/etcd"),
+        "etcd_default_file": str(prefix / "etc/default/etcd"),
+        "etcd_user": user,
+        "etcd_pid_file": str(prefix / "run/etcd.pid"),
+        "etcd_log_file": str(prefix / "log/etcd.log"),
+        "etcd_health_retries": 30,
+        "lumend_create_user": False,
+        "lumend_user": user,
+        "lumend_group": user,
+        "lumend_venv": sys.prefix,  # this checkout's venv: lumen is installed, pip does nothing
+        "lumend_extras": ["systemd"],
+        "lumend_config_dir": str(prefix / "etc/lumen"),
+        "lumend_node_name": name,
+        "lumend_address": "127.0.0.1",
+        "lumend_cluster": "ansible-test",
+        "lumend_etcd_lease_ttl_s": 3,
+        "lumend_etcd_request_timeout_s": 1.0,
+        "lumend_gateway_listen": f"127.0.0.1:{gateway}",
+        "lumend_rpc_listen": f"127.0.0.1:{rpc}",
+        "lumend_checkpoint_listen": f"127.0.0.1:{checkpoint}",
+        "lumend_checkpoint_budget": "1GiB",
+        "lumend_metrics_listen": f"127.0.0.1:{metrics}",
+        "lumend_state_dir": str(prefix / "var/lib/lumen"),
+        "lumend_runtime_dir": str(prefix / "run/lumen"),
+        "lumend_workers": [{"name": f"{name}-w0", "gpus": [0], "engine": "sim",
+                            "model": "sim-llama-8b", "port": engine}],
+        "lumend_pid_file": str(prefix / "run/lumend.pid"),
+        "lumend_log_file": str(prefix / "log/lumend.log"),
+        "lumend_ready_retries": 60,
+        "lumend_ready_delay": 1,
+    }
+
+
+def stop_pid_file(path: Path) -> None:
+    """SIGTERM the process a pid file names, wait, SIGKILL if it lingers."""
+    if not path.exists():
+        return
+    pid = int(path.read_text().strip())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    # start-stop-daemon detaches them: they are not our children, and an exited one may stay
+    # a zombie until whatever runs as PID 1 reaps it.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def test_hosts(tmp_path: Path) -> Iterator[dict[str, dict[str, Any]]]:
+    user = pwd.getpwuid(os.getuid()).pw_name
+    ports = free_ports(7 * len(HOSTS))
+    hosts = {}
+    for i, name in enumerate(HOSTS):
+        prefix = tmp_path / name
+        for sub in ("etc/default", "run", "log"):
+            (prefix / sub).mkdir(parents=True)
+        hosts[name] = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user)
+    try:
+        yield hosts
+    finally:
+        for variables in hosts.values():
+            stop_pid_file(Path(variables["lumend_pid_file"]))
+        for variables in hosts.values():
+            stop_pid_file(Path(variables["etcd_pid_file"]))
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    found = {}
+    for line in output.split("PLAY RECAP", 1)[-1].splitlines():
+        match = re.match(r"(\S+)\s+:\s+(.*)", line.strip())
+        if match:
+            found[match.group(1)] = {k: int(v) for k, v in
+                                     re.findall(r"(\w+)=(\d+)", match.group(2))}
+    return found
+
+
+def test_deploy_forms_a_cluster_and_is_idempotent(
+    tmp_path: Path, test_hosts: dict[str, dict[str, Any]]
+) -> None:
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {
+        "etcd": {"hosts": test_hosts},
+        "lumen": {"hosts": {name: {} for name in test_hosts}},
+    }}}))
+    playbook = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(ANSIBLE / "deploy.yml")]
+
+    first = run(playbook)
+    output = first.stdout + first.stderr
+    assert first.returncode == 0, output[-6000:]
+    assert all(r["failed"] == 0 and r["unreachable"] == 0 for r in recap(output).values())
+
+    # The rendered etcd settings formed one 3-member cluster.
+    endpoints = [f"http://127.0.0.1:{v['etcd_client_port']}" for v in test_hosts.values()]
+    for endpoint in endpoints:  # etcd's v3 JSON gateway: each member sees all three
+        request = urllib.request.Request(f"{endpoint}/v3/cluster/member/list", data=b"{}",
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            members = json.loads(response.read())["members"]
+        assert sorted(m["name"] for m in members) == list(HOSTS)
+
+    # The rendered lumend configs pass check-config, and the three nodes registered.
+    for variables in test_hosts.values():
+        config = Path(variables["lumend_config_dir"]) / "lumend.toml"
+        check = subprocess.run([str(BIN / "lumend"), "check-config", str(config)],
+                               capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, check.stderr
+    view = read_view(endpoints, "ansible-test")
+    assert sorted(view.nodes) == list(HOSTS)
+    assert sorted(view.workers) == [f"{h}-w0" for h in HOSTS]
+    assert view.coordinator is not None
+    pids = {name: int(Path(v["lumend_pid_file"]).read_text()) for name, v in test_hosts.items()}
+    assert {name: view.nodes[name].pid for name in HOSTS} == pids
+
+    second = run(playbook)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-6000:]
+    counts = recap(output)
+    assert sorted(counts) == list(HOSTS)
+    assert {name: c["changed"] for name, c in counts.items()} == dict.fromkeys(HOSTS, 0), \
+        output[-6000:]
+    # Nothing was restarted by the second run.
+    assert {name: int(Path(v["lumend_pid_file"]).read_text())
+            for name, v in test_hosts.items()} == pids

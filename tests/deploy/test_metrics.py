@@ -1,0 +1,103 @@
+"""Metrics of live lumend processes, and the Grafana dashboard checked against a scrape."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from lumenctl.localcluster import EtcdCluster
+
+from .conftest import Lumend, metric_value, wait_until
+
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "lumen.json"
+# Metric names in PromQL: ours, and the process metrics prometheus_client adds.
+METRIC_NAME = re.compile(r"\b((?:lumen|process|python)_[a-zA-Z0-9_]+)\b")
+
+
+def dashboard_queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) of every panel target and every templating query."""
+    def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for panel in items:
+            yield panel
+            yield from panels(panel.get("panels", []))
+
+    for panel in panels(dashboard["panels"]):
+        for target in panel.get("targets", []):
+            yield f"panel {panel['title']!r} target {target['refId']}", target["expr"]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]
+            yield f"variable {variable['name']}", query if isinstance(query, str) else \
+                query["query"]
+
+
+def unknown_metrics(dashboard: dict[str, Any], exported: set[str]) -> list[str]:
+    problems = []
+    for where, expr in dashboard_queries(dashboard):
+        names = METRIC_NAME.findall(expr)
+        if not names:
+            problems.append(f"{where}: names no metric: {expr}")
+        problems += [f"{where}: {name} is not exported" for name in names
+                     if name not in exported]
+    return problems
+
+
+def sample_names(exposition: str) -> set[str]:
+    return {sample.name for family in text_string_to_metric_families(exposition)
+            for sample in family.samples}
+
+
+def test_dashboard_queries_name_only_exported_metrics(
+    etcd: EtcdCluster, start_lumend: Callable[..., Lumend]
+) -> None:
+    first = start_lumend(etcd.endpoints, name="m1")
+    wait_until(lambda: "coordinating as m1" in first.log_text(), 30, "m1 to coordinate")
+    second = start_lumend(etcd.endpoints, name="m2", workers=2)
+    wait_until(lambda: "following coordinator m1" in second.log_text(), 30, "m2 to follow")
+    leader, follower = first.scrape(), second.scrape()
+
+    # The values follow what the nodes do.
+    assert metric_value(leader, "lumen_coordinator") == 1
+    assert metric_value(follower, "lumen_coordinator") == 0
+    assert metric_value(leader, "lumen_coordinator_elections_total") == 1
+    assert metric_value(follower, "lumen_coordinator_elections_total") == 0
+    assert metric_value(follower, "lumen_coordinator_epoch") == metric_value(
+        leader, "lumen_coordinator_epoch") > 0
+    assert metric_value(follower, "lumen_node_registered") == 1
+    assert metric_value(follower, "lumen_node_ready") == 1
+    assert metric_value(follower, "lumen_cluster_nodes") == 2
+    assert 'lumen_workers{state="starting"} 2.0' in follower
+    assert 'lumen_workers{state="serving"} 0.0' in follower
+    assert 'lumen_node_info{cluster="deploy",node="m2",version=' in follower
+    assert metric_value(leader, "lumen_ha_cycle_duration_seconds_count") > 0
+
+    exported = sample_names(leader)
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = list(dashboard_queries(dashboard))
+    assert len(queries) >= 20
+    assert unknown_metrics(dashboard, exported) == []
+
+    # Negative controls: a misspelt metric and a query without any metric are reported.
+    broken = json.loads(DASHBOARD.read_text())
+    broken["panels"][1]["targets"][0]["expr"] = "sum(lumen_node_registred)"
+    broken["panels"][2]["targets"][0]["expr"] = "vector(1)"
+    assert unknown_metrics(broken, exported) == [
+        "panel 'Nodes registered' target A: lumen_node_registred is not exported",
+        "panel 'Nodes ready' target A: names no metric: vector(1)",
+    ]
+
+    # A graceful stop of the coordinator: the follower wins and its counters show it.
+    first.signal(signal.SIGTERM)
+    assert first.proc.wait(timeout=30) == 0
+    wait_until(lambda: metric_value(second.scrape(), "lumen_coordinator") == 1, 30,
+               "m2 to take over")
+    after = second.scrape()
+    assert metric_value(after, "lumen_coordinator_elections_total") == 1
+    assert metric_value(after, "lumen_coordinator_epoch") > metric_value(
+        leader, "lumen_coordinator_epoch")
