@@ -265,7 +265,7 @@ name = "{name}-w{i}"
 gpus = [{i}]
 engine = "sim"
 shadows = 1
-model = "sim-llama-8b"
+model = "sim-small"
 port = {first_engine + 2 * i}
 """
     return text

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from lumend.engine.sim_models import SIM_MODELS
+
 DEFAULT_CONFIG_PATH = "/etc/lumen/lumend.toml"
 
 Engine = Literal["vllm", "sim"]
@@ -710,7 +712,7 @@ def _check_worker(table: _Table) -> _Worker:
     name = table.text("name", '"gpu-node-1-w0"', required=True)
     _check_name(table, "name", name)
     gpus = _check_gpus(table)
-    table.choice("engine", ENGINES, required=True)
+    engine = table.choice("engine", ENGINES, required=True)
     shadows = table.integer("shadows", "1", 0, 4, default=1)
     for key, example, required in (
         ("model", '"/models/Qwen3-32B"', True),
@@ -719,6 +721,9 @@ def _check_worker(table: _Table) -> _Worker:
         model = table.text(key, example, required=required)
         if model is not None and not model.strip():
             table.problem(key, model, f"give a model path or name, e.g. {key} = {example}")
+        elif key == "model" and engine == "sim" and model is not None and model not in SIM_MODELS:
+            presets = ", ".join(f'"{m}"' for m in SIM_MODELS)
+            table.problem(key, model, f"a sim worker names a sim model preset: {presets}")
     table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str)
     port = table.integer("port", "8100", 1, 65535, required=True)
     return _Worker(table, name, gpus, _engine_ports(table, port, shadows))

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -18,26 +16,14 @@ from lumend.cluster.keys import Keys
 from lumend.cluster.models import WorkerRecord
 from lumend.cluster.store import EtcdStore, TlsFiles
 from lumend.config import ConfigError, NodeConfig, load_config
+from lumend.engine.adapter import adapter_for
+from lumend.failover.intents import FailoverIntents
+from lumend.failover.supervisor import WorkerSupervisor
 from lumend.metrics import MetricsBindError, MetricsServer, NodeCollector, NodeMetrics
 from lumend.notify import Notifier, Readiness, SystemdLink, watchdog_interval_s
 from lumend.reload import LIVE_KEYS, plan_reload
 
 log = logging.getLogger("lumend")
-
-WorkersReadiness = Callable[[], Readiness]
-
-
-def engines_not_supervised() -> Readiness:
-    """Worker readiness until the engine supervisor exists (lumend/failover).
-
-    Workers are registered in state `starting` with no engines, and nothing will change
-    that, so waiting for them would never end: the node is ready once it is registered.
-    The supervisor replaces this hook with one that is ready when every worker has an
-    active engine serving (or a shadow standing by), so READY=1 and `systemctl start` wait
-    for the models to load, with EXTEND_TIMEOUT_USEC keeping the start job alive meanwhile.
-    """
-    return Readiness(True, "registered; engines are not supervised yet, workers stay starting")
-
 
 class StartupError(Exception):
     """lumend cannot start; the message says why and what to do."""
@@ -61,16 +47,24 @@ def identity_of(config: NodeConfig) -> NodeIdentity:
     )
 
 
-def configured_workers(config: NodeConfig) -> list[WorkerRecord]:
-    """Worker records before engine supervision exists: registered, engines not started."""
-    now = time.time()
-    return [
-        WorkerRecord(
-            name=w.name, node=config.node.name, gpus=list(w.gpus), engine=w.engine,
-            model=w.model, state="starting", updated_at=now,
+def make_supervisors(config: NodeConfig) -> dict[str, WorkerSupervisor]:
+    """One supervisor per configured worker: its GMS server and its engines."""
+    return {
+        w.name: WorkerSupervisor(
+            config.node.name, w, adapter_for(w.engine),
+            runtime_dir=Path(config.runtime_dir), log_dir=Path(config.state_dir) / "logs",
+            host=config.node.address,
         )
         for w in config.workers
-    ]
+    }
+
+
+def workers_readiness(supervisors: list[WorkerSupervisor]) -> Readiness:
+    """Ready when every worker serves or has an engine initialised and standing by."""
+    waiting = [s.worker.name for s in supervisors if not s.ready()]
+    if waiting:
+        return Readiness(False, f"waiting for engines of {', '.join(waiting)}")
+    return Readiness(True, f"{len(supervisors)} workers serving or standing by")
 
 
 def make_store(config: NodeConfig) -> EtcdStore:
@@ -92,22 +86,16 @@ def workers_summary(workers: list[WorkerRecord]) -> str:
     return f"{len(workers)} {noun}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
 
 
-async def run_node(
-    config: NodeConfig,
-    config_path: Path | None = None,
-    *,
-    workers_ready: WorkersReadiness = engines_not_supervised,
-) -> None:
-    await Node(config, config_path, workers_ready).run()
+async def run_node(config: NodeConfig, config_path: Path | None = None) -> None:
+    await Node(config, config_path).run()
 
 
 class Node:
-    def __init__(
-        self, config: NodeConfig, config_path: Path | None, workers_ready: WorkersReadiness
-    ) -> None:
+    def __init__(self, config: NodeConfig, config_path: Path | None) -> None:
         self.config = config
         self.config_path = config_path
         self.store = make_store(config)
+        self.supervisors = make_supervisors(config)
         self.agent = ClusterAgent(
             self.store,
             Keys(config.etcd.cluster),
@@ -116,7 +104,8 @@ class Node:
             workers=self.workers,
         )
         self.link = SystemdLink(
-            Notifier.from_env(), self.agent, workers_ready, self.status_text,
+            Notifier.from_env(), self.agent,
+            lambda: workers_readiness(list(self.supervisors.values())), self.status_text,
             watchdog_s=watchdog_interval_s(),
         )
         self.metrics = NodeMetrics(NodeCollector(
@@ -127,7 +116,7 @@ class Node:
         self.server = MetricsServer(self.metrics)
 
     def workers(self) -> list[WorkerRecord]:
-        return configured_workers(self.config)
+        return [s.record() for s in self.supervisors.values()]
 
     def status_text(self) -> str:
         return f"{workers_summary(self.workers())}; {self.agent.status}"
@@ -159,20 +148,26 @@ class Node:
         except MetricsBindError as exc:
             await self.store.close()
             raise StartupError(str(exc)) from None
+        intents = FailoverIntents(config.node.name, self.store, Keys(config.etcd.cluster),
+                                  self.supervisors, lambda: self.agent.view)
         tasks = [
             asyncio.create_task(self.link.run(stop), name="systemd-link"),
             asyncio.create_task(self._reloads(stop, reload_requested), name="reload"),
+            asyncio.create_task(intents.run(stop), name="failover-intents"),
+            *(asyncio.create_task(s.run(stop), name=f"supervisor-{name}")
+              for name, s in self.supervisors.items()),
         ]
         try:
             await self.agent.run(stop)
         finally:
             if not self.link.stopping:
                 self.link.stop("the HA loop ended")
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            stop.set()
+            # Resign and deregister first, so no one routes to this node's engines any more;
+            # then the supervisors stop the engines and GMS servers as their tasks return.
             log.info("stopping: resigning roles and deregistering")
             await self.agent.shutdown()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.store.close()
             await self.server.stop()
             log.info("stopped")

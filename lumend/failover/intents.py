@@ -73,12 +73,10 @@ class FailoverIntents:
     async def _switch(self, session: aiohttp.ClientSession, worker: str) -> None:
         supervisor = self._supervisors[worker]
         try:
-            seconds = await supervisor.switchover(session)
+            active, seconds = await supervisor.switchover(session)
         except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
             kind, message = EVENT_REFUSED, f"failover of {worker} not done: {exc}"
         else:
-            active = next((s.spec.engine_id for s in supervisor.slots if s.state == "active"),
-                          "?")
             kind = EVENT_DONE
             message = f"failover of {worker}: {active} active {seconds:.3f} s after the request"
         log.info("%s", message)

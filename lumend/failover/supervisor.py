@@ -255,8 +255,9 @@ class WorkerSupervisor:
     # -- planned switchover ---------------------------------------------------------------
 
     async def switchover(self, session: aiohttp.ClientSession,
-                         drain_timeout_s: float = 30.0) -> float:
-        """Hand the active role to a shadow; returns seconds until a shadow was active."""
+                         drain_timeout_s: float = 30.0) -> tuple[str, float]:
+        """Hand the active role to a shadow; returns the engine that took over and the
+        seconds until it was active."""
         active = [s for s in self.slots if s.state == "active"]
         if not active:
             raise RuntimeError(f"worker {self.worker.name} has no active engine to hand over")
@@ -265,13 +266,17 @@ class WorkerSupervisor:
         started = time.monotonic()
         old = active[0]
         await self.adapter.release(session, old.spec, drain_timeout_s)
-        while True:
+        others = [s for s in self.slots if s is not old and s.alive]
+        deadline = started + drain_timeout_s + 30.0
+        while time.monotonic() < deadline:
             states = await asyncio.gather(
-                *(self.adapter.probe(session, s.spec) for s in self.slots if s is not old
-                  and s.alive), return_exceptions=True)
-            if "active" in states:
-                return time.monotonic() - started
+                *(self.adapter.probe(session, s.spec) for s in others), return_exceptions=True)
+            for slot, state in zip(others, states, strict=True):
+                if state == "active":
+                    return slot.spec.engine_id, time.monotonic() - started
             await asyncio.sleep(0.01)
+        raise TimeoutError(f"no shadow of {self.worker.name} became active within "
+                           f"{deadline - started:.0f} s of the release")
 
     # -- reporting ------------------------------------------------------------------------
 

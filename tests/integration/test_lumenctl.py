@@ -77,7 +77,6 @@ def test_intents_are_written_shown_and_removed(cluster: LocalCluster) -> None:
     assert unknown.returncode == 1 and "node-9" in unknown.stderr
 
     assert lumenctl(cluster, "drain", "node-2", "--yes", "--reason", "bios update").returncode == 0
-    assert lumenctl(cluster, "failover", "node-3-w0", "--yes").returncode == 0
     not_a_worker = lumenctl(cluster, "failover", "node-3", "--yes")
     assert not_a_worker.returncode == 1
 
@@ -87,19 +86,17 @@ def test_intents_are_written_shown_and_removed(cluster: LocalCluster) -> None:
     assert [i["kind"] for i in nodes["node-2"]["intents"]] == ["drain"]
     assert [i["kind"] for i in workers["node-2-w0"]["intents"]] == ["drain"]
     assert nodes["node-2"]["intents"][0]["reason"] == "bios update"
-    assert [i["kind"] for i in workers["node-3-w0"]["intents"]] == ["failover"]
     assert workers["node-1-w0"]["intents"] == []
 
     assert lumenctl(cluster, "undrain", "node-2").returncode == 0
     assert lumenctl(cluster, "undrain", "node-2").returncode == 1  # nothing left to remove
-    assert lumenctl(cluster, "failover", "--cancel", "node-3-w0").returncode == 0
     doc = json.loads(lumenctl(cluster, "-o", "json", "status").stdout)
     assert doc["intents"] == []
 
     events = json.loads(lumenctl(cluster, "-o", "json", "events").stdout)["events"]
     kinds = [e["kind"] for e in events]
     assert "coordinator_elected" in kinds
-    assert {"drain_requested", "failover_requested", "drain_withdrawn"} <= set(kinds)
+    assert {"drain_requested", "drain_withdrawn"} <= set(kinds)
 
 
 def test_malformed_values_are_reported_and_skipped(cluster: LocalCluster) -> None:

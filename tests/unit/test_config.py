@@ -58,7 +58,7 @@ def config_text(**overrides: Any) -> str:
 
 
 def worker(**overrides: Any) -> dict[str, Any]:
-    base = {"name": "w0", "gpus": [0], "engine": "sim", "model": "m", "port": 8100}
+    base = {"name": "w0", "gpus": [0], "engine": "sim", "model": "sim-small", "port": 8100}
     return _merge(base, overrides)
 
 
@@ -537,3 +537,12 @@ def test_parse_listen_rejects(text: str, message: str) -> None:
     with pytest.raises(ValueError, match="use host:port") as caught:
         parse_listen(text)
     assert message in str(caught.value)
+
+
+def test_sim_workers_name_a_sim_preset() -> None:
+    text = EXAMPLE.read_text().replace('engine = "vllm"', 'engine = "sim"')
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert any(p.key == "workers[0].model" and "sim-small" in p.fix for p in info.value.problems)
+    ok = text.replace('model = "/models/Qwen3-32B"', 'model = "sim-small"')
+    assert parse_config(ok).workers[0].model == "sim-small"
