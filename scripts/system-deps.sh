@@ -2,10 +2,12 @@
 # Installs what LUMEN needs from the OS, or says exactly what is missing.
 #   etcd-server      the etcd binary (tests and `make demo` start their own members)
 #   libsystemd-dev   headers for the `systemd` extra (systemd-python), with pkg-config
+#   systemd          systemd-analyze, which the unit-file tests run (systemd need not be PID 1)
 set -euo pipefail
 
 missing=()
 command -v etcd >/dev/null 2>&1 || [ -n "${LUMEN_ETCD_BIN:-}" ] || missing+=(etcd-server)
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 if ! command -v pkg-config >/dev/null 2>&1; then
     missing+=(pkg-config libsystemd-dev)
 elif ! pkg-config --exists libsystemd; then

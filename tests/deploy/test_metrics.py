@@ -60,6 +60,8 @@ def test_dashboard_queries_name_only_exported_metrics(
     wait_until(lambda: "coordinating as m1" in first.log_text(), 30, "m1 to coordinate")
     second = start_lumend(etcd.endpoints, name="m2", workers=2)
     wait_until(lambda: "following coordinator m1" in second.log_text(), 30, "m2 to follow")
+    wait_until(lambda: metric_value(second.scrape(), "lumen_node_ready") == 1, 60,
+               "m2 ready: the engines of both its workers serving")
     leader, follower = first.scrape(), second.scrape()
 
     # The values follow what the nodes do.
@@ -72,8 +74,8 @@ def test_dashboard_queries_name_only_exported_metrics(
     assert metric_value(follower, "lumen_node_registered") == 1
     assert metric_value(follower, "lumen_node_ready") == 1
     assert metric_value(follower, "lumen_cluster_nodes") == 2
-    assert 'lumen_workers{state="starting"} 2.0' in follower
-    assert 'lumen_workers{state="serving"} 0.0' in follower
+    assert 'lumen_workers{state="serving"} 2.0' in follower
+    assert 'lumen_workers{state="starting"} 0.0' in follower
     assert 'lumen_node_info{cluster="deploy",node="m2",version=' in follower
     assert metric_value(leader, "lumen_ha_cycle_duration_seconds_count") > 0
 

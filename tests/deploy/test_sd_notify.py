@@ -32,7 +32,10 @@ def test_ready_status_watchdog_reload_stop(
     assert "n1" in view.nodes and "n1-w0" in view.workers
     assert "via systemd-python" in node.log_text()
     assert "coordinating as n1 (epoch" in notify_socket.messages[ready]["STATUS"]
-    assert notify_socket.messages[ready]["STATUS"].startswith("1 worker starting; ")
+    # READY waits for the worker's engines: it serves (or stands by) when READY arrives.
+    assert notify_socket.messages[ready]["STATUS"].startswith("1 worker serving; ")
+    assert any(m.get("STATUS", "").startswith("1 worker starting; ")
+               for m in notify_socket.messages[:ready])
 
     wait_until(lambda: notify_socket.pump() is not None
                and notify_socket.count("WATCHDOG", after=ready) >= 3, 30,
@@ -89,8 +92,8 @@ def test_not_ready_while_etcd_is_down_then_ready(
                         env={"LUMEN_TEST_NO_SYSTEMD_PYTHON": "1"})
     try:
         wait_until(lambda: sock.pump() is not None
-                   and any(s.startswith("1 worker starting; waiting for etcd at "
-                                        + etcd.endpoints[0]) for s in sock.statuses()), 30,
+                   and any(("; waiting for etcd at " + etcd.endpoints[0]) in s
+                           for s in sock.statuses()), 30,
                    "STATUS naming the etcd endpoint lumend waits for")
         wait_until(lambda: sock.pump() is not None and sock.count("EXTEND_TIMEOUT_USEC") >= 2,
                    30, "EXTEND_TIMEOUT_USEC while not ready")
