@@ -28,6 +28,7 @@ from aiohttp import web
 
 from lumend.engine.sim_core import Scheduler, SimRequest, decode, encode
 from lumend.engine.sim_models import MiB, SimModel, sim_model
+from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 from lumend.gms.client import GmsClient, GmsError
 from lumend.gms.protocol import TensorMeta
@@ -346,6 +347,7 @@ async def serve(opts: EngineOptions) -> None:
 
 
 def main() -> None:
+    die_with_supervisor()
     parser = argparse.ArgumentParser(description="LUMEN sim engine")
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--host", default="127.0.0.1")

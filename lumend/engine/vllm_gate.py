@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 
 GATED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -63,6 +64,7 @@ class _Gate:
                 "weights_source": "disk"}
 
 
+die_with_supervisor()
 _gate = _Gate()
 
 

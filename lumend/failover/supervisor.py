@@ -26,6 +26,7 @@ import aiohttp
 from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord, WorkerState
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import EngineAdapter, EngineLoad, EngineSpec
+from lumend.failover.lifeline import supervisor_env
 
 log = logging.getLogger("lumend.failover")
 
@@ -161,7 +162,8 @@ class WorkerSupervisor:
         with slot.log_path.open("ab") as out:
             slot.proc = subprocess.Popen(
                 self.adapter.command(slot.spec), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, **self.adapter.environment(slot.spec)},
+                start_new_session=True,
+                env={**os.environ, **supervisor_env(), **self.adapter.environment(slot.spec)},
             )
         slot.state = "starting"
         slot.started_at = now
@@ -250,6 +252,7 @@ class WorkerSupervisor:
                 [sys.executable, "-m", "lumend.gms.server",
                  "--socket", str(self.gms_socket)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **supervisor_env()},
             )
 
     # -- planned switchover ---------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lumend.failover.lifeline import die_with_supervisor
 from lumend.gms.backend import Backend, OutOfMemory, make_backend, round_up
 from lumend.gms.protocol import (
     HEADER,
@@ -379,6 +380,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    die_with_supervisor()
     parser = argparse.ArgumentParser(description="LUMEN GPU Memory Service server")
     parser.add_argument("--socket", required=True, help="unix socket path")
     parser.add_argument("--backend", default="host", choices=["host", "cuda"])

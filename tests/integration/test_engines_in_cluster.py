@@ -98,3 +98,25 @@ def test_planned_failover_waits_and_reports(cluster: LocalCluster) -> None:
     assert status(cluster)["intents"] == [], "the node removes the intent it carried out"
     events = json.loads(lumenctl(cluster, "-o", "json", "events").stdout)["events"]
     assert any(e["kind"] == "failover_done" and "node-2-w0" in e["message"] for e in events)
+
+
+def test_engines_die_with_their_lumend(cluster: LocalCluster) -> None:
+    worker = whole_worker(cluster, "node-2-w0")()
+    assert worker is not None
+    pids = [e["pid"] for e in worker["engines"]]
+    cluster.node("node-2").kill()  # SIGKILL: lumend cannot stop them itself
+
+    def gone() -> bool:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        return not alive
+
+    wait_until(gone, 15, "the engines of a SIGKILLed lumend to die with it")
+    # A lumend started again finds the ports and the failover lock free.
+    cluster.node("node-2").start()
+    wait_until(whole_worker(cluster, "node-2-w0"), 60, "node-2-w0 whole under the new lumend")
