@@ -1,9 +1,10 @@
-"""`lumend`: run a node, or check its configuration."""
+"""`lumend`: run a node, check its configuration, or run one of its child processes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 import typer
@@ -59,6 +60,27 @@ def run(
     except StartupError as exc:
         logging.getLogger("lumend").error("cannot start: %s", exc)
         raise typer.Exit(EXIT_FAILED) from None
+
+
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command("engine-sim", context_settings=_PASSTHROUGH, add_help_option=False)
+def engine_sim(ctx: typer.Context) -> None:
+    """Run a sim engine (lumend's supervisor starts these; `lumend engine-sim --help`)."""
+    from lumend.engine import sim_server
+
+    sys.argv = ["lumend engine-sim", *ctx.args]
+    sim_server.main()
+
+
+@app.command("gms-server", context_settings=_PASSTHROUGH, add_help_option=False)
+def gms_server(ctx: typer.Context) -> None:
+    """Run a GPU Memory Service server (one per worker; `lumend gms-server --help`)."""
+    from lumend.gms import server
+
+    sys.argv = ["lumend gms-server", *ctx.args]
+    server.main()
 
 
 @app.command("version")
