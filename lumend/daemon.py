@@ -19,7 +19,13 @@ from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
 from lumend.failover.intents import FailoverIntents
 from lumend.failover.supervisor import WorkerSupervisor
-from lumend.metrics import MetricsBindError, MetricsServer, NodeCollector, NodeMetrics
+from lumend.metrics import (
+    EngineCollector,
+    MetricsBindError,
+    MetricsServer,
+    NodeCollector,
+    NodeMetrics,
+)
 from lumend.notify import Notifier, Readiness, SystemdLink, watchdog_interval_s
 from lumend.reload import LIVE_KEYS, plan_reload
 
@@ -108,10 +114,11 @@ class Node:
             lambda: workers_readiness(list(self.supervisors.values())), self.status_text,
             watchdog_s=watchdog_interval_s(),
         )
-        self.metrics = NodeMetrics(NodeCollector(
-            self.agent, config.node.name, config.etcd.cluster, self.workers,
-            ready=lambda: self.link.readiness().ready,
-        ))
+        self.metrics = NodeMetrics(
+            NodeCollector(self.agent, config.node.name, config.etcd.cluster, self.workers,
+                          ready=lambda: self.link.readiness().ready),
+            EngineCollector(lambda: list(self.supervisors.values())),
+        )
         self.agent.cycle_listeners += [self.metrics.observe_cycle, self.link.poke]
         self.server = MetricsServer(self.metrics)
 

@@ -26,13 +26,19 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client import Counter as PromCounter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from lumend import __version__
 from lumend.cluster.agent import ClusterAgent, CycleReport
 from lumend.cluster.models import WorkerRecord, WorkerState
 from lumend.config import parse_listen
+from lumend.failover.supervisor import WorkerSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +121,49 @@ class NodeCollector(Collector):
                                   "etcd did not answer.", value=agent.keepalive_failures)
 
 
+ENGINE_STATES = ("stopped", "starting", "initialising", "standby", "active", "releasing")
+FAILOVER_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineCollector(Collector):
+    """The engines of this node's workers, read from their supervisors on every scrape."""
+
+    def __init__(self, supervisors: Callable[[], Sequence[WorkerSupervisor]]) -> None:
+        self._supervisors = supervisors
+
+    def collect(self) -> Iterator[Metric]:
+        supervisors = self._supervisors()
+        state = GaugeMetricFamily("lumen_engine_state", "1 for each engine's current "
+                                  "lifecycle state.", labels=["worker", "engine", "state"])
+        failovers = CounterMetricFamily("lumen_failovers", "Unplanned failovers: the active "
+                                        "engine was lost and a shadow took over.",
+                                        labels=["worker"])
+        restarts = CounterMetricFamily("lumen_engine_restarts", "Engine processes that exited "
+                                       "and were started again.", labels=["worker"])
+        hung = CounterMetricFamily("lumen_engine_hung_kills", "Engines SIGKILLed after failing "
+                                   "their liveness probes.", labels=["worker"])
+        gms = CounterMetricFamily("lumen_gms_restarts", "GMS servers that died and were "
+                                  "started again.", labels=["worker"])
+        seconds = HistogramMetricFamily("lumen_failover_seconds", "From losing the active "
+                                        "engine to a shadow serving.", labels=["worker"])
+        for sup in supervisors:
+            worker = sup.worker.name
+            for slot in sup.slots:
+                for name in ENGINE_STATES:
+                    state.add_metric([worker, slot.spec.engine_id, name],
+                                     1.0 if slot.state == name else 0.0)
+            c = sup.counters
+            failovers.add_metric([worker], c.failovers)
+            restarts.add_metric([worker], c.engine_restarts)
+            hung.add_metric([worker], c.hung_kills)
+            gms.add_metric([worker], c.gms_restarts)
+            buckets = [(str(b), float(sum(1 for x in c.failover_seconds if x <= b)))
+                       for b in FAILOVER_BUCKETS]
+            buckets.append(("+Inf", float(len(c.failover_seconds))))
+            seconds.add_metric([worker], buckets, sum_value=sum(c.failover_seconds))
+        yield from (state, failovers, restarts, hung, gms, seconds)
+
+
 def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
 
@@ -122,10 +171,13 @@ def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFam
 class NodeMetrics:
     """The node's registry: the collector above, the event-driven metrics, process metrics."""
 
-    def __init__(self, collector: NodeCollector) -> None:
+    def __init__(self, collector: NodeCollector,
+                 engines: EngineCollector | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = collector
         self.registry.register(collector)
+        if engines is not None:
+            self.registry.register(engines)
         for default in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(default)
         self.cycle_duration = Histogram(
