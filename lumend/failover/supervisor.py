@@ -39,6 +39,7 @@ class SupervisorTiming:
     start_timeout_s: float = 600.0  # an engine not past initialising by then is killed
     backoff_first_s: float = 0.5
     backoff_max_s: float = 30.0
+    failed_after_starts: int = 3  # a worker whose every engine failed this often is failed
     stop_grace_s: float = 10.0
 
 
@@ -51,6 +52,7 @@ class EngineSlot:
     started_at: float = 0.0
     probe_failures: int = 0
     became_ready: bool = False  # reached standby or active since it was started
+    failed_starts: int = 0  # consecutive runs that died before becoming ready
     restarts: int = 0
     backoff_s: float = 0.0
     restart_at: float = 0.0
@@ -183,6 +185,7 @@ class WorkerSupervisor:
                                                    f"active engine exited ({code})", now)
         # An engine that dies before it ever initialises is crash-looping: back off. One that
         # was ready is replaced at once, so the worker regains its shadow quickly.
+        slot.failed_starts = 0 if slot.became_ready else slot.failed_starts + 1
         slot.backoff_s = (0.0 if slot.became_ready
                           else min(max(slot.backoff_s * 2, self.timing.backoff_first_s),
                                    self.timing.backoff_max_s))
@@ -302,6 +305,8 @@ class WorkerSupervisor:
         states = {s.state for s in self.slots}
         if "active" in states:
             return "serving"
+        if all(s.failed_starts >= self.timing.failed_after_starts for s in self.slots):
+            return "failed"  # every engine keeps dying before it is ready: needs an operator
         if self.ever_active:
             return "recovering"
         if time.monotonic() - self._started > self.timing.start_timeout_s:

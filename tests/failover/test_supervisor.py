@@ -185,3 +185,26 @@ def test_gms_death_is_survived(tmp_path: Path) -> None:
                 assert gms.stats()["commits"] == 1
 
     run(scenario())
+
+
+def test_an_engine_that_never_starts_backs_off_and_the_worker_is_failed(tmp_path: Path) -> None:
+    sup = make_supervisor(tmp_path)
+    # A model the sim engine does not know: every start exits at once with a clear error.
+    bad = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=1, model="sim-small",
+                       args=["--model", "no-such-model"], port=sup.worker.port)
+    sup = WorkerSupervisor("node-1", bad, SimAdapter(), runtime_dir=tmp_path / "run",
+                           log_dir=tmp_path / "logs",
+                           timing=SupervisorTiming(tick_s=0.05, backoff_first_s=0.1,
+                                                   backoff_max_s=0.4))
+
+    async def scenario() -> None:
+        async with running(sup):
+            await wait_for(lambda: sup.worker_state() == "failed", 60,
+                           "the worker to be marked failed")
+            assert all(s.failed_starts >= 3 for s in sup.slots)
+            assert all(s.backoff_s > 0 for s in sup.slots), "no backoff between crashes"
+            assert not sup.ready()
+        log = (tmp_path / "logs" / "w0.0.log").read_text()
+        assert "unknown sim model 'no-such-model'" in log
+
+    run(scenario())
