@@ -9,6 +9,7 @@ Asserts nothing about time: these machines are shared and noisy.
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import tempfile
 import time
@@ -46,12 +47,13 @@ def takeover(cluster: LocalCluster, graceful: bool) -> float:
     node = cluster.node(leader)
     started = time.monotonic()
     if graceful:
-        node.stop()
+        node.signal(signal.SIGTERM)  # measured to the handover, not to the process's exit
     else:
         node.kill()
     poll(cluster, lambda v: v.coordinator is not None and v.coordinator.epoch > epoch,
          cluster.lease_ttl_s * 4 + 10, "a new coordinator")
     took = time.monotonic() - started
+    node.stop()
     node.start()
     return took
 
