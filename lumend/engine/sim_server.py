@@ -302,6 +302,11 @@ def _prompt(body: Any, chat: bool) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
+        if body.get("continue_final_message") and messages[-1].get("role") == "assistant":
+            # Continue the assistant's partial answer: the same rendering as the request
+            # that produced it, plus the partial text (how the gateway resumes a chat).
+            head = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
+            return encode(head + "assistant: " + messages[-1]["content"])
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return encode(text)
     prompt = body.get("prompt")

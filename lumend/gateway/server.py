@@ -1,0 +1,295 @@
+"""The OpenAI-compatible gateway every lumend serves on `[gateway] listen`.
+
+It proxies a completion to a serving worker and remembers the text it has passed on; when
+the upstream breaks (connection lost, engine gone, no token within the deadline) it resumes
+on a worker that serves (the same worker's shadow if it has taken over, else the least
+loaded other one), sending the prompt plus that text, so the client receives one stream:
+same `id`, no token twice, none missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from lumend.cluster.view import ClusterView
+from lumend.config import parse_listen
+from lumend.gateway.routing import Target, choose_worker, models
+from lumend.gateway.upstream import EngineRefused, StreamBroken, resume_body, stream_from
+
+log = logging.getLogger("lumend.gateway")
+
+MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class GatewayCounters:
+    requests: Counter[str] = field(default_factory=Counter)  # by outcome
+    resumes: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)  # by reason
+
+
+@dataclass(frozen=True)
+class GatewayTiming:
+    token_deadline_s: float = 30.0  # no token for this long: the upstream is broken
+    recover_within_s: float = 120.0  # give up resuming a request after this long
+    retry_pause_s: float = 0.05
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": str(self), "type": self.kind,
+                                            "param": self.param, "code": self.status}},
+                                 status=self.status)
+
+
+@dataclass
+class Progress:
+    """What the client has received of one request."""
+
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    workers: list[str] = field(default_factory=list)
+
+
+class Gateway:
+    def __init__(self, view: Callable[[], ClusterView | None],
+                 timing: GatewayTiming | None = None) -> None:
+        self._view = view
+        self.timing = timing or GatewayTiming()
+        self.counters = GatewayCounters()
+        self.in_flight: Counter[str] = Counter()
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def start(self, listen: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0,
+                                        sock_read=self.timing.token_deadline_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        host, port = parse_listen(listen)
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        log.info("gateway serving the OpenAI API on http://%s", listen)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    async def _health(self, _: web.Request) -> web.Response:
+        view = self._view()
+        serving = 0 if view is None else sum(w.state == "serving" for w in view.workers.values())
+        return web.json_response({"status": "ok" if serving else "no serving worker",
+                                  "serving_workers": serving}, status=200 if serving else 503)
+
+    async def _models(self, _: web.Request) -> web.Response:
+        view = self._view()
+        names = [] if view is None else models(view)
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "owned_by": "lumen"} for m in names]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = _validate(await _json(request), chat)
+            view = self._view()
+            if view is None:
+                raise ApiError(503, "the gateway has not read the cluster yet; retry shortly",
+                               "unavailable")
+            model = body.get("model")
+            if model is not None and model not in models(view):
+                raise ApiError(404, f"model {model!r} is not served by this cluster; "
+                               f"GET /v1/models lists them", "not_found_error", "model")
+        except ApiError as exc:
+            self.counters.rejected[exc.kind] += 1
+            return exc.response()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if body.get("stream"):
+            return await self._stream(request, body, chat, rid)
+        return await self._whole(body, chat, rid)
+
+    # -- proxying with resume -------------------------------------------------------------
+
+    async def _pieces(self, body: dict[str, Any], chat: bool, progress: Progress,
+                      on_piece: Callable[[str, str | None], Any]) -> None:
+        """Drive the request to its end, resuming after upstream failures."""
+        assert self._session is not None
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        max_tokens = int(body.get("max_tokens", 16))
+        give_up_at = time.monotonic() + self.timing.recover_within_s
+        exclude: set[str] = set()
+        broken_worker: str | None = None
+        while True:
+            target = self._route(body.get("model"), exclude, prefer=broken_worker)
+            if target is None:
+                if time.monotonic() > give_up_at:
+                    raise ApiError(503, "no worker could serve the request", "unavailable")
+                exclude.clear()  # every worker failed once; they may be back: try again
+                await asyncio.sleep(self.timing.retry_pause_s)
+                continue
+            if progress.tokens:
+                self.counters.resumes += 1
+                log.info("resuming a request on %s after %d tokens", target.worker,
+                         progress.tokens)
+            progress.workers.append(target.worker)
+            upstream = resume_body(body, chat, progress.text, max_tokens - progress.tokens)
+            upstream.setdefault("model", target.model)
+            self.in_flight[target.worker] += 1
+            try:
+                async for piece in stream_from(self._session, target.urls, path, upstream):
+                    if piece.text:
+                        progress.text += piece.text
+                        progress.tokens += 1
+                    if piece.finish_reason:
+                        progress.finish_reason = piece.finish_reason
+                    await on_piece(piece.text, piece.finish_reason)
+                return
+            except EngineRefused:
+                exclude.add(target.worker)
+                broken_worker = None
+            except StreamBroken as exc:
+                log.warning("stream from %s broke after %d tokens: %s", target.worker,
+                            progress.tokens, exc)
+                broken_worker = target.worker  # its shadow may already serve
+            finally:
+                self.in_flight[target.worker] -= 1
+            if time.monotonic() > give_up_at:
+                raise ApiError(503, "the request could not be resumed in time", "unavailable")
+            await asyncio.sleep(self.timing.retry_pause_s)
+
+    def _route(self, model: str | None, exclude: set[str], prefer: str | None) -> Target | None:
+        view = self._view()
+        if view is None:
+            return None
+        if prefer is not None:  # first retry the same worker: a shadow may have taken over
+            worker = view.workers.get(prefer)
+            if worker is not None and worker.engines:
+                return Target.of(worker)
+        return choose_worker(view, model, self.in_flight, frozenset(exclude))
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool,
+                      rid: str) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+        model = body.get("model") or ""
+        progress = Progress()
+
+        async def send(text: str, finish: str | None) -> None:
+            choice: dict[str, Any] = ({"index": 0, "delta": {"content": text},
+                                       "finish_reason": finish} if chat else
+                                      {"index": 0, "text": text, "finish_reason": finish})
+            chunk = {"id": rid, "object": "chat.completion.chunk" if chat else
+                     "text_completion", "created": created, "model": model,
+                     "choices": [choice]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        try:
+            await self._pieces(body, chat, progress, send)
+        except ApiError as exc:
+            self.counters.requests["failed"] += 1
+            error = {"error": {"message": str(exc), "type": exc.kind, "code": exc.status}}
+            await response.write(f"data: {json.dumps(error)}\n\n".encode())
+        else:
+            self.counters.requests["resumed" if len(progress.workers) > 1 else "ok"] += 1
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _whole(self, body: dict[str, Any], chat: bool, rid: str) -> web.Response:
+        progress = Progress()
+
+        async def collect(text: str, finish: str | None) -> None:
+            return None
+
+        try:
+            await self._pieces(body, chat, progress, collect)
+        except ApiError as exc:
+            self.counters.requests["failed"] += 1
+            return exc.response()
+        self.counters.requests["resumed" if len(progress.workers) > 1 else "ok"] += 1
+        finish = progress.finish_reason or "length"
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant",
+                                                           "content": progress.text},
+                                   "finish_reason": finish} if chat else
+                                  {"index": 0, "text": progress.text, "finish_reason": finish})
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": body.get("model") or "",
+            "choices": [choice],
+            "usage": {"completion_tokens": progress.tokens},
+        })
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error"
+                       ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the body exceeds {MAX_BODY_BYTES} bytes",
+                       "invalid_request_error") from None
+
+
+def _validate(body: Any, chat: bool) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", "invalid_request_error")
+    if chat:
+        messages = body.get("messages")
+        if (not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages)):
+            raise ApiError(400, "messages must be a non-empty list of {role, content} strings",
+                           "invalid_request_error", "messages")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "prompt must be a non-empty string (token-id prompts cannot "
+                           "be resumed and are not accepted)", "invalid_request_error",
+                           "prompt")
+    max_tokens = body.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ApiError(400, "max_tokens must be a positive integer", "invalid_request_error",
+                       "max_tokens")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n = 1 is supported", "invalid_request_error", "n")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", "invalid_request_error", "model")
+    return body

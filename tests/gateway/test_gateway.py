@@ -1,0 +1,157 @@
+"""The gateway in front of real sim engines under real supervisors: streams survive the loss
+of the engine serving them, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from lumenctl.localcluster import free_ports
+from lumend.cluster.view import ClusterView
+from lumend.config import WorkerConfig
+from lumend.engine.adapter import SimAdapter
+from lumend.engine.sim_core import decode, encode, reference_completion
+from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
+from lumend.gateway.server import Gateway
+
+MAX_TOKENS = 120
+
+
+def chat_prompt(text: str) -> str:
+    return f"user: {text}\nassistant: "
+
+
+def expected(prompt: str) -> str:
+    return decode(reference_completion(0, encode(prompt), MAX_TOKENS))
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path, shadows: int) -> AsyncIterator[tuple[Gateway, str,
+                                                                       list[WorkerSupervisor]]]:
+    sups = []
+    for i in range(2):
+        worker = WorkerConfig(name=f"w{i}", gpus=[i], engine="sim", shadows=shadows,
+                              model="sim-small", port=free_ports(1)[0],
+                              args=["--time-scale", "2.0"])  # slow enough to kill mid-stream
+        sups.append(WorkerSupervisor("n", worker, SimAdapter(), runtime_dir=tmp_path / "run",
+                                     log_dir=tmp_path / "logs",
+                                     timing=SupervisorTiming(tick_s=0.05)))
+
+    def view() -> ClusterView:
+        return ClusterView(cluster="t", revision=0, workers={s.worker.name: s.record()
+                                                             for s in sups})
+
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(s.run(stop)) for s in sups]
+    gateway = Gateway(view)
+    listen = f"127.0.0.1:{free_ports(1)[0]}"
+    await gateway.start(listen)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(s.worker_state() == "serving" and s.ready()
+                      and sum(x.state == "standby" for x in s.slots) == shadows for s in sups):
+            assert time.monotonic() < deadline, "workers did not come up"
+            await asyncio.sleep(0.05)
+        yield gateway, f"http://{listen}", sups
+    finally:
+        await gateway.stop()
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+async def stream(session: aiohttp.ClientSession, base: str, chat: bool,
+                 text: str, received: list[int] | None = None) -> tuple[set[str], str, list[str]]:
+    """(ids seen, text received, errors) of one streamed completion; `received` counts the
+    pieces as they arrive."""
+    body: dict[str, Any] = {"max_tokens": MAX_TOKENS, "stream": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    ids, pieces, errors = set(), [], []
+    async with session.post(base + ("/v1/chat/completions" if chat else "/v1/completions"),
+                            json=body) as r:
+        assert r.status == 200
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                errors.append(chunk["error"]["message"])
+                continue
+            ids.add(chunk["id"])
+            choice = chunk["choices"][0]
+            pieces.append(choice["delta"]["content"] if chat else choice["text"])
+            if received is not None:
+                received[0] += 1
+    return ids, "".join(pieces), errors
+
+
+def busiest(sups: list[WorkerSupervisor]) -> WorkerSupervisor:
+    return max(sups, key=lambda s: s.load.running)
+
+
+@pytest.mark.parametrize("shadows", [0, 1], ids=["no-shadow", "shadow"])
+def test_streams_survive_the_loss_of_their_engine(tmp_path: Path, shadows: int) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, shadows) as (gateway, base, sups), \
+                aiohttp.ClientSession() as session:
+            prompts = [f"request number {i} says hello" for i in range(8)]
+            received = [[0] for _ in prompts]
+            tasks = [asyncio.create_task(stream(session, base, i % 2 == 1, p, received[i]))
+                     for i, p in enumerate(prompts)]
+            # Kill the active engine of the busiest worker once every stream is under way.
+            deadline = time.monotonic() + 30
+            while min(r[0] for r in received) < 10:
+                assert time.monotonic() < deadline, "the streams never got going"
+                await asyncio.sleep(0.01)
+            victim = next(s for s in busiest(sups).slots if s.state == "active")
+            assert victim.proc is not None
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            for i, (prompt, (ids, text, errors)) in enumerate(zip(prompts, results, strict=True)):
+                reference = expected(chat_prompt(prompt) if i % 2 == 1 else prompt)
+                assert errors == []
+                assert len(ids) == 1, "one id for the whole stream"
+                assert text == reference, f"request {i} differs from the failure-free stream"
+            assert gateway.counters.resumes >= 1, "no stream was interrupted: the test is void"
+
+    asyncio.run(scenario())
+
+
+def test_bad_requests_get_openai_errors(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, 0) as (_, base, _sups), aiohttp.ClientSession() as s:
+            cases = [
+                ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+                ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+                ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+                ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+            ]
+            for path, body, status, param in cases:
+                async with s.post(base + path, json=body) as r:
+                    assert r.status == status
+                    error = (await r.json())["error"]
+                    assert error["param"] == param and error["message"]
+            async with s.post(base + "/v1/completions", data=b"{nope") as r:
+                assert r.status == 400
+            async with s.post(base + "/v1/completions",
+                              json={"prompt": "hello", "max_tokens": 5}) as r:
+                body = await r.json()
+                assert body["choices"][0]["text"] == decode(
+                    reference_completion(0, encode("hello"), 5))
+            async with s.get(base + "/v1/models") as r:
+                assert [m["id"] for m in (await r.json())["data"]] == ["sim-small"]
+
+    asyncio.run(scenario())
