@@ -178,6 +178,7 @@ class LumendNode:
     name: str
     config_path: Path
     log_path: Path
+    gateway: str = ""  # the node's OpenAI API, http://host:port
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -229,6 +230,8 @@ def node_config_toml(
     *,
     lease_ttl_s: int,
     workers: int = 1,
+    shadows: int = 1,
+    engine_args: Sequence[str] = (),
     workdir: Path,
 ) -> str:
     """A node config on loopback; `ports` gives gateway, rpc, checkpoint, metrics, engines."""
@@ -264,9 +267,10 @@ listen = "127.0.0.1:{metrics}"
 name = "{name}-w{i}"
 gpus = [{i}]
 engine = "sim"
-shadows = 1
+shadows = {shadows}
 model = "sim-small"
-port = {first_engine + 2 * i}
+args = [{", ".join(f'"{a}"' for a in engine_args)}]
+port = {first_engine + (shadows + 1) * i}
 """
     return text
 
@@ -281,6 +285,8 @@ class LocalCluster:
     cluster: str = "local"
     lease_ttl_s: int = 3
     workers_per_node: int = 1
+    shadows: int = 1
+    engine_args: tuple[str, ...] = ()
     etcd: EtcdCluster = field(init=False)
     nodes: list[LumendNode] = field(default_factory=list)
 
@@ -299,15 +305,17 @@ class LocalCluster:
         return self
 
     def add_node(self, name: str) -> LumendNode:
-        ports = free_ports(4 + 2 * self.workers_per_node)
+        ports = free_ports(5)
         config = self.workdir / f"{name}.toml"
         config.write_text(
             node_config_toml(
                 name, self.endpoints, self.cluster, ports, lease_ttl_s=self.lease_ttl_s,
-                workers=self.workers_per_node, workdir=self.workdir,
+                workers=self.workers_per_node, shadows=self.shadows,
+                engine_args=self.engine_args, workdir=self.workdir,
             )
         )
-        node = LumendNode(name, config, self.workdir / f"{name}.log").start()
+        node = LumendNode(name, config, self.workdir / f"{name}.log",
+                          gateway=f"http://127.0.0.1:{ports[0]}").start()
         self.nodes.append(node)
         return node
 
