@@ -1,0 +1,65 @@
+"""Through lumend's own gateway: streams survive SIGKILL of the engine serving them (no
+shadow), and equal the failure-free streams token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from lumenctl.localcluster import LocalCluster
+from lumend.engine.sim_core import decode, encode, reference_completion
+
+from ..gateway.test_gateway import MAX_TOKENS, chat_prompt, stream
+from .conftest import read_view, wait_until
+
+MakeCluster = Callable[..., LocalCluster]
+
+
+def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluster) -> None:
+    cluster = local_cluster(size=2, lease_ttl_s=3, shadows=0,
+                            engine_args=("--time-scale", "2.0"))
+
+    def serving() -> bool:
+        view = read_view(cluster.endpoints, cluster.cluster)
+        return len(view.workers) == 2 and all(w.state == "serving"
+                                              for w in view.workers.values())
+
+    wait_until(serving, 60, "both workers serving")
+    base = cluster.node("node-1").gateway
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            wait_gateway = time.monotonic() + 30
+            while True:  # the gateway reads the cluster once per HA cycle
+                async with session.get(base + "/health") as r:
+                    if r.status == 200:
+                        break
+                assert time.monotonic() < wait_gateway, "the gateway never saw a worker"
+                await asyncio.sleep(0.1)
+            prompts = [f"stream {i} of the end-to-end test" for i in range(8)]
+            received = [[0] for _ in prompts]
+            tasks = [asyncio.create_task(stream(session, base, i % 2 == 1, p, received[i]))
+                     for i, p in enumerate(prompts)]
+            deadline = time.monotonic() + 30
+            while min(r[0] for r in received) < 10:
+                assert time.monotonic() < deadline, "the streams never got going"
+                await asyncio.sleep(0.01)
+            view = read_view(cluster.endpoints, cluster.cluster)
+            victim = max(view.workers.values(), key=lambda w: w.load.running)
+            pid = next(e.pid for e in victim.engines if e.role == "active")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            for i, (prompt, (ids, text, errors)) in enumerate(zip(prompts, results, strict=True)):
+                wanted = chat_prompt(prompt) if i % 2 == 1 else prompt
+                assert errors == [] and len(ids) == 1
+                assert text == decode(reference_completion(0, encode(wanted), MAX_TOKENS))
+        log = cluster.node("node-1").log_text()
+        assert "resuming a request on" in log, "no stream was interrupted: the test is void"
+
+    asyncio.run(scenario())
