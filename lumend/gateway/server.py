@@ -10,6 +10,7 @@ same `id`, no token twice, none missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -170,13 +171,15 @@ class Gateway:
             upstream.setdefault("model", target.model)
             self.in_flight[target.worker] += 1
             try:
-                async for piece in stream_from(self._session, target.urls, path, upstream):
-                    if piece.text:
-                        progress.text += piece.text
-                        progress.tokens += 1
-                    if piece.finish_reason:
-                        progress.finish_reason = piece.finish_reason
-                    await on_piece(piece.text, piece.finish_reason)
+                pieces = stream_from(self._session, target.urls, path, upstream)
+                async with contextlib.aclosing(pieces):  # closes the upstream if we stop early
+                    async for piece in pieces:
+                        if piece.text:
+                            progress.text += piece.text
+                            progress.tokens += 1
+                        if piece.finish_reason:
+                            progress.finish_reason = piece.finish_reason
+                        await on_piece(piece.text, piece.finish_reason)
                 return
             except EngineRefused:
                 exclude.add(target.worker)
@@ -220,15 +223,18 @@ class Gateway:
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         try:
-            await self._pieces(body, chat, progress, send)
-        except ApiError as exc:
-            self.counters.requests["failed"] += 1
-            error = {"error": {"message": str(exc), "type": exc.kind, "code": exc.status}}
-            await response.write(f"data: {json.dumps(error)}\n\n".encode())
-        else:
-            self.counters.requests["resumed" if len(progress.workers) > 1 else "ok"] += 1
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            try:
+                await self._pieces(body, chat, progress, send)
+            except ApiError as exc:
+                self.counters.requests["failed"] += 1
+                error = {"error": {"message": str(exc), "type": exc.kind, "code": exc.status}}
+                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+            else:
+                self.counters.requests["resumed" if len(progress.workers) > 1 else "ok"] += 1
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # the client left; the upstream is already closed
+            self.counters.requests["client_gone"] += 1
         return response
 
     async def _whole(self, body: dict[str, Any], chat: bool, rid: str) -> web.Response:

@@ -4,7 +4,7 @@ interrupted one."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ def resume_body(original: dict[str, Any], chat: bool, emitted: str,
 
 
 async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], path: str,
-                      body: dict[str, Any]) -> AsyncIterator[Piece]:
+                      body: dict[str, Any]) -> AsyncGenerator[Piece, None]:
     """Pieces of one streamed completion from the first engine that accepts it.
 
     Raises `EngineRefused` if none accepts, `StreamBroken` if the accepted stream ends
@@ -66,6 +66,7 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
         response = None
     if response is None:
         raise EngineRefused(f"no engine of {', '.join(urls)} accepted the request")
+    done = False
     try:
         async for raw in response.content:
             line = raw.decode(errors="replace").strip()
@@ -73,6 +74,7 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
+                done = True
                 return
             chunk = json.loads(data)
             for choice in chunk.get("choices", []):
@@ -83,4 +85,9 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
     finally:
-        response.release()
+        if done:
+            response.release()
+        else:
+            # Not read to the end (the client left, or the stream broke): close the
+            # connection, so the engine sees it and stops generating for nobody.
+            response.close()

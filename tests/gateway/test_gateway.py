@@ -155,3 +155,27 @@ def test_bad_requests_get_openai_errors(tmp_path: Path) -> None:
                 assert [m["id"] for m in (await r.json())["data"]] == ["sim-small"]
 
     asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_cancels_the_upstream(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with cluster(tmp_path, 0) as (_, base, sups), aiohttp.ClientSession() as s:
+            body = {"prompt": "a long answer please", "max_tokens": 2000, "stream": True}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                async for _ in r.content:
+                    break  # one chunk, then the client goes away
+            # The engine stops generating: nothing left running on any engine.
+            deadline = time.monotonic() + 10
+            while True:
+                running = 0
+                for sup in sups:
+                    engine = next(x for x in sup.slots if x.state == "active")
+                    async with s.get(engine.spec.url + "/lumen/engine") as r:
+                        running += (await r.json())["running"]
+                if running == 0:
+                    break
+                assert time.monotonic() < deadline, "an engine kept generating for nobody"
+                await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+
