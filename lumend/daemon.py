@@ -11,15 +11,17 @@ from pathlib import Path
 
 import msgspec
 
+from lumend.checkpoint.holder import HolderBindError, HolderConfig, HolderService
 from lumend.cluster.agent import AgentTiming, ClusterAgent, NodeIdentity
 from lumend.cluster.keys import Keys
-from lumend.cluster.models import WorkerRecord
+from lumend.cluster.models import CheckpointUsage, WorkerRecord
 from lumend.cluster.store import EtcdStore, TlsFiles
 from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
 from lumend.failover.intents import FailoverIntents
 from lumend.failover.supervisor import WorkerSupervisor
 from lumend.metrics import (
+    CheckpointCollector,
     EngineCollector,
     MetricsBindError,
     MetricsServer,
@@ -65,6 +67,15 @@ def make_supervisors(config: NodeConfig) -> dict[str, WorkerSupervisor]:
     }
 
 
+def make_holder(config: NodeConfig) -> HolderService:
+    """The node's checkpoint holder: `budget_bytes` for each worker of this node."""
+    ckpt = config.checkpoint
+    return HolderService(HolderConfig(
+        listen=ckpt.listen, workers=tuple(w.name for w in config.workers),
+        budget_bytes=ckpt.budget_bytes, policy=ckpt.eviction,
+    ))
+
+
 def workers_readiness(supervisors: list[WorkerSupervisor]) -> Readiness:
     """Ready when every worker serves or has an engine initialised and standing by."""
     waiting = [s.worker.name for s in supervisors if not s.ready()]
@@ -102,6 +113,7 @@ class Node:
         self.config_path = config_path
         self.store = make_store(config)
         self.supervisors = make_supervisors(config)
+        self.holder = make_holder(config)
         self.agent = ClusterAgent(
             self.store,
             Keys(config.etcd.cluster),
@@ -118,12 +130,23 @@ class Node:
             NodeCollector(self.agent, config.node.name, config.etcd.cluster, self.workers,
                           ready=lambda: self.link.readiness().ready),
             EngineCollector(lambda: list(self.supervisors.values())),
+            CheckpointCollector(self.holder.stats),
         )
         self.agent.cycle_listeners += [self.metrics.observe_cycle, self.link.poke]
         self.server = MetricsServer(self.metrics)
 
     def workers(self) -> list[WorkerRecord]:
-        return [s.record() for s in self.supervisors.values()]
+        held = self.holder.stats().workers
+        records = []
+        for s in self.supervisors.values():
+            record = s.record()
+            usage = held.get(record.name)
+            if usage is not None:
+                record = msgspec.structs.replace(record, checkpoints=CheckpointUsage(
+                    bytes_held=usage.bytes_held, budget_bytes=usage.budget_bytes,
+                    requests=usage.requests))
+            records.append(record)
+        return records
 
     def status_text(self) -> str:
         return f"{workers_summary(self.workers())}; {self.agent.status}"
@@ -155,12 +178,19 @@ class Node:
         except MetricsBindError as exc:
             await self.store.close()
             raise StartupError(str(exc)) from None
+        try:
+            self.holder.bind()
+        except HolderBindError as exc:
+            await self.server.stop()
+            await self.store.close()
+            raise StartupError(str(exc)) from None
         intents = FailoverIntents(config.node.name, self.store, Keys(config.etcd.cluster),
                                   self.supervisors, lambda: self.agent.view)
         tasks = [
             asyncio.create_task(self.link.run(stop), name="systemd-link"),
             asyncio.create_task(self._reloads(stop, reload_requested), name="reload"),
             asyncio.create_task(intents.run(stop), name="failover-intents"),
+            asyncio.create_task(self.holder.run(stop), name="checkpoint-holder"),
             *(asyncio.create_task(s.run(stop), name=f"supervisor-{name}")
               for name, s in self.supervisors.items()),
         ]

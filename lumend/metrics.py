@@ -35,6 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from lumend import __version__
+from lumend.checkpoint.holder import HolderStats
 from lumend.cluster.agent import ClusterAgent, CycleReport
 from lumend.cluster.models import WorkerRecord, WorkerState
 from lumend.config import parse_listen
@@ -164,6 +165,42 @@ class EngineCollector(Collector):
         yield from (state, failovers, restarts, hung, gms, seconds)
 
 
+class CheckpointCollector(Collector):
+    """The node's checkpoint holder, per worker it accounts for, read on every scrape."""
+
+    def __init__(self, stats: Callable[[], HolderStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        held = GaugeMetricFamily("lumen_ckpt_bytes_held", "Bytes of KV checkpoint pages this "
+                                 "node holds, by the worker they are charged to.",
+                                 labels=["worker"])
+        budget = GaugeMetricFamily("lumen_ckpt_budget_bytes", "Checkpoint budget of each "
+                                   "worker on this node.", labels=["worker"])
+        requests = GaugeMetricFamily("lumen_ckpt_requests", "Requests with a checkpoint held "
+                                     "here.", labels=["worker"])
+        evictions = CounterMetricFamily("lumen_ckpt_evictions", "Checkpoints evicted to make "
+                                        "room for others.", labels=["worker"])
+        refusals = CounterMetricFamily("lumen_ckpt_refusals", "Checkpoints or pages refused "
+                                       "because the worker's budget was full.",
+                                       labels=["worker"])
+        orphans = CounterMetricFamily("lumen_ckpt_orphans", "Checkpoints collected after no "
+                                      "activity for the TTL.", labels=["worker"])
+        for worker, w in sorted(stats.workers.items()):
+            held.add_metric([worker], w.bytes_held)
+            budget.add_metric([worker], w.budget_bytes)
+            requests.add_metric([worker], w.requests)
+            evictions.add_metric([worker], w.evictions)
+            refusals.add_metric([worker], w.refusals)
+            orphans.add_metric([worker], w.orphans)
+        bad = CounterMetricFamily("lumen_ckpt_bad_frames", "Checkpoint messages refused as "
+                                  "invalid, by reason.", labels=["reason"])
+        for reason, n in sorted(stats.bad_frames.items()):
+            bad.add_metric([reason], n)
+        yield from (held, budget, requests, evictions, refusals, orphans, bad)
+
+
 def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
 
@@ -172,12 +209,14 @@ class NodeMetrics:
     """The node's registry: the collector above, the event-driven metrics, process metrics."""
 
     def __init__(self, collector: NodeCollector,
-                 engines: EngineCollector | None = None) -> None:
+                 engines: EngineCollector | None = None,
+                 checkpoints: CheckpointCollector | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = collector
         self.registry.register(collector)
-        if engines is not None:
-            self.registry.register(engines)
+        for extra in (engines, checkpoints):
+            if extra is not None:
+                self.registry.register(extra)
         for default in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(default)
         self.cycle_duration = Histogram(

@@ -1,0 +1,1 @@
+"""KV checkpoints: the wire format, the holder service and the engine-side streamer."""

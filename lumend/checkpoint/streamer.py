@@ -1,0 +1,248 @@
+"""The engine side of checkpointing: stream KV pages to one holder, never blocking decode.
+
+`put_block` hands a page to ZeroMQ without waiting and without copying it; when the holder
+or the network cannot keep up (the send high-water mark is reached, or no holder is
+connected) the block is dropped, counted, and its checkpoint marked incomplete: coverage
+falls, decode latency does not. Later blocks of an incomplete checkpoint are not sent
+either, because a holder matches consecutive blocks only and they would be useless.
+
+ACKs from the holder say how far each checkpoint has reached; they are read, without
+waiting, on every call. `lookup` and `get` serve the resume side; they wait (with a timeout)
+on a socket of their own, so a full stream never delays a resume.
+
+Not thread-safe: use one streamer per thread (ZeroMQ sockets are not shareable).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from lumend.checkpoint import wire
+from lumend.checkpoint.wire import Header, WireError
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """What every page this engine streams shares (part of each header)."""
+
+    model: str
+    layout_fingerprint: str
+    dtype: str
+    page_shape: tuple[int, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def page_nbytes(self) -> int:
+        return wire.page_nbytes(self.dtype, self.page_shape)
+
+
+@dataclass
+class CheckpointProgress:
+    """How far one checkpoint has reached, as this streamer knows it."""
+
+    sent: int = 0          # blocks handed to ZeroMQ
+    dropped: int = 0       # blocks not sent (back-pressure, no holder, or after a gap)
+    reached: int = 0       # holder's ACK: blocks 0..reached-1 held on this rank
+    refused: str = ""      # the holder's reason when it refused this checkpoint
+    finished: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """Every block sent so far is held (as far as the ACKs read so far say)."""
+        return not self.dropped and not self.refused and self.reached == self.sent
+
+
+@dataclass
+class StreamerCounters:
+    sent: int = 0
+    dropped: int = 0
+    acks: int = 0
+    refusals: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FetchedPage:
+    header: Header
+    data: memoryview
+
+
+class CheckpointStreamer:
+    def __init__(self, endpoint: str, layout: PageLayout, *, sndhwm: int = 64,
+                 context: zmq.Context[Any] | None = None) -> None:
+        self.endpoint = endpoint
+        self.layout = layout
+        self._context = context or zmq.Context.instance()
+        self._stream = self._socket(sndhwm, immediate=True)
+        self._rpc: zmq.Socket[Any] | None = None
+        self._seq = itertools.count(1)
+        self.progress: dict[str, CheckpointProgress] = {}
+        self.counters = StreamerCounters()
+
+    def _socket(self, sndhwm: int, immediate: bool) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        # The stream queues only to a connected holder: with no holder a block is dropped
+        # at once instead of pinning its page in a queue for a holder that may not return.
+        sock.setsockopt(zmq.IMMEDIATE, int(immediate))
+        if self.endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(self.endpoint)
+        return sock
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait until the holder is connected (blocks put before that are dropped)."""
+        return bool(self._stream.poll(int(timeout_s * 1000), zmq.POLLOUT))
+
+    # -- streaming (never blocks) ---------------------------------------------------------
+
+    def put_block(self, *, ckpt_id: str, request_id: str, worker: str, block_index: int,
+                  block_hash: bytes | str, page: Any, token_count: int) -> bool:
+        """Queue one page (any buffer of `layout.page_nbytes` bytes); False when dropped.
+
+        The page is not copied: it must not change until ZeroMQ has sent it (stage it in a
+        buffer of its own when the source is reused).
+        """
+        view = memoryview(page)
+        if view.nbytes != self.layout.page_nbytes:
+            raise ValueError(f"page of {view.nbytes} bytes; the layout says "
+                             f"{self.layout.page_nbytes} ({self.layout.dtype} x "
+                             f"{list(self.layout.page_shape)})")
+        self.poll_acks()
+        progress = self.progress.setdefault(ckpt_id, CheckpointProgress())
+        if progress.dropped or progress.refused or progress.finished:
+            return self._drop(progress)
+        lay = self.layout
+        header = wire.request(
+            wire.PUT, ckpt_id=ckpt_id, request_id=request_id, worker=worker,
+            model=lay.model, layout_fingerprint=lay.layout_fingerprint, tp_rank=lay.tp_rank,
+            tp_size=lay.tp_size, block_index=block_index, block_hash=block_hash,
+            token_count=token_count, dtype=lay.dtype, page_shape=list(lay.page_shape),
+        )
+        try:
+            self._stream.send_multipart(wire.frames(header, view), flags=zmq.NOBLOCK,
+                                        copy=False)
+        except zmq.Again:
+            return self._drop(progress)
+        progress.sent += 1
+        self.counters.sent += 1
+        return True
+
+    def finish(self, ckpt_id: str) -> bool:
+        """Tell the holder the request ended (its pages are freed); False when not sent."""
+        progress = self.progress.pop(ckpt_id, None)
+        if progress is not None:
+            progress.finished = True
+        try:
+            self._stream.send(wire.encode_header(wire.request(wire.FINISH, ckpt_id=ckpt_id)),
+                              flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def poll_acks(self) -> int:
+        """Read every reply already here (no waiting); returns how many."""
+        n = 0
+        while True:
+            try:
+                parts = self._stream.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            n += 1
+            self._on_reply(parts)
+
+    def _on_reply(self, parts: Sequence[Any]) -> None:
+        try:
+            h = wire.decode(parts).header
+        except WireError as exc:
+            self._count_error(exc.reason)
+            return
+        progress = self.progress.get(h.ckpt_id)
+        if h.op == wire.ACK:
+            self.counters.acks += 1
+            if progress is not None:
+                progress.reached = max(progress.reached, h.reached)
+        elif h.op == wire.ERROR:
+            self._count_error(h.reason)
+            if progress is not None and not progress.refused:
+                progress.refused = h.reason
+                self.counters.refusals += 1
+
+    def _count_error(self, reason: str) -> None:
+        self.counters.errors[reason] = self.counters.errors.get(reason, 0) + 1
+
+    def _drop(self, progress: CheckpointProgress) -> bool:
+        progress.dropped += 1
+        self.counters.dropped += 1
+        return False
+
+    def wait_acks(self, ckpt_id: str, timeout_s: float) -> CheckpointProgress:
+        """Wait until every block sent for `ckpt_id` is ACKed or refused (benchmarks, tests)."""
+        deadline = time.monotonic() + timeout_s
+        progress = self.progress.setdefault(ckpt_id, CheckpointProgress())
+        while progress.reached < progress.sent and not progress.refused:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._stream.poll(int(left * 1000) + 1, zmq.POLLIN):
+                break
+            self.poll_acks()
+        return progress
+
+    # -- resume side (waits, with a timeout) ----------------------------------------------
+
+    def lookup(self, ckpt_id: str, hashes: Sequence[bytes | str], *,
+               timeout_s: float = 1.0) -> int | None:
+        """Consecutive blocks of `hashes` the holder has on every tp rank; None: no answer."""
+        reply = self._call(wire.request(
+            wire.LOOKUP, ckpt_id=ckpt_id, hashes=list(hashes), model=self.layout.model,
+            layout_fingerprint=self.layout.layout_fingerprint), timeout_s)
+        if reply is None or reply.header.op != wire.ACK:
+            return None
+        return reply.header.matched
+
+    def get(self, ckpt_id: str, block_hash: bytes | str, *, tp_rank: int | None = None,
+            timeout_s: float = 1.0) -> FetchedPage | None:
+        """One page (this rank's unless `tp_rank`); None when missing or no answer."""
+        rank = self.layout.tp_rank if tp_rank is None else tp_rank
+        reply = self._call(wire.request(
+            wire.GET, ckpt_id=ckpt_id, block_hash=block_hash, tp_rank=rank,
+            tp_size=self.layout.tp_size), timeout_s)
+        if reply is None or reply.header.op != wire.ACK or reply.payload is None:
+            return None
+        return FetchedPage(reply.header, reply.payload)
+
+    def _call(self, header: Header, timeout_s: float) -> wire.Message | None:
+        if self._rpc is None:
+            self._rpc = self._socket(sndhwm=16, immediate=False)
+        seq = next(self._seq)
+        header = msgspec.structs.replace(header, seq=seq)
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._rpc.send(wire.encode_header(header), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._rpc.poll(int(left * 1000) + 1, zmq.POLLIN):
+                return None
+            parts = self._rpc.recv_multipart(copy=False)
+            try:
+                message = wire.decode(parts)
+            except WireError as exc:
+                self._count_error(exc.reason)
+                continue
+            if message.header.seq == seq:  # replies to earlier calls that timed out: skip
+                return message
+
+    def close(self) -> None:
+        self._stream.close(0)
+        if self._rpc is not None:
+            self._rpc.close(0)

@@ -1,0 +1,82 @@
+"""The streamer never blocks decode: a missing or slow holder costs blocks, not time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from lumenctl.localcluster import free_ports
+from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+
+from .conftest import RunningHolder, block_hash, page
+
+MakeStreamer = Callable[..., CheckpointStreamer]
+BIG = PageLayout(model="tiny", layout_fingerprint="fp-1", dtype="uint8", page_shape=(256 * 1024,))
+
+
+def put(s: CheckpointStreamer, ckpt: str, i: int, data: Any) -> bool:
+    return s.put_block(ckpt_id=ckpt, request_id=ckpt, worker="w0", block_index=i,
+                       block_hash=block_hash(ckpt, i), page=data, token_count=16 * (i + 1))
+
+
+def test_no_holder_means_every_block_is_dropped_at_once(make_streamer: MakeStreamer) -> None:
+    (port,) = free_ports(1)
+    s = make_streamer(f"tcp://127.0.0.1:{port}", connect=False)
+    assert not any(put(s, "c1", i, page(i)) for i in range(50))
+    progress = s.progress["c1"]
+    assert (progress.sent, progress.dropped, progress.complete) == (0, 50, False)
+    assert s.counters.dropped == 50
+    assert s.lookup("c1", [block_hash("c1", 0)], timeout_s=0.2) is None
+    assert s.get("c1", block_hash("c1", 0), timeout_s=0.2) is None
+
+
+@pytest.fixture
+def deaf_holder() -> Iterator[str]:
+    """A ROUTER that accepts connections and never reads: a holder that cannot keep up."""
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 2)
+    sock.setsockopt(zmq.RCVBUF, 64 * 1024)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        sock.close(0)
+
+
+def test_a_slow_holder_costs_blocks_not_blocking(deaf_holder: str,
+                                                 make_streamer: MakeStreamer) -> None:
+    s = make_streamer(deaf_holder, layout=BIG, sndhwm=2)
+    data = bytes(BIG.page_nbytes)
+    results = [put(s, "c1", i, data) for i in range(400)]  # 100 MiB into a full pipe
+    assert results[0] and not all(results)
+    first_drop = results.index(False)
+    assert not any(results[first_drop:]), "blocks after a gap are not sent (useless)"
+    progress = s.progress["c1"]
+    assert progress.dropped == 400 - first_drop and not progress.complete
+    assert s.counters.dropped == progress.dropped
+
+
+def test_a_holder_that_goes_away_costs_blocks_not_blocking(
+    make_holder: Callable[..., RunningHolder], make_streamer: MakeStreamer,
+) -> None:
+    holder = make_holder()
+    s = make_streamer(holder.endpoint)
+    assert put(s, "c1", 0, page(0))
+    assert s.wait_acks("c1", 10).complete
+    holder.stop()
+    # with the holder gone, blocks are dropped instead of queued; the call returns
+    results = [put(s, "c2", i, page(i)) for i in range(5_000)]
+    assert not all(results)
+    assert s.counters.dropped > 0 and not s.progress["c2"].complete
+
+
+def test_a_wrong_page_size_is_a_caller_bug(make_streamer: MakeStreamer,
+                                           holder: RunningHolder) -> None:
+    s = make_streamer(holder.endpoint)
+    with pytest.raises(ValueError, match="layout says"):
+        put(s, "c1", 0, b"short")
+    assert s.counters.sent == 0
