@@ -20,9 +20,11 @@ from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
 from lumend.failover.intents import FailoverIntents
 from lumend.failover.supervisor import WorkerSupervisor
+from lumend.gateway.server import Gateway, GatewayBindError
 from lumend.metrics import (
     CheckpointCollector,
     EngineCollector,
+    GatewayCollector,
     MetricsBindError,
     MetricsServer,
     NodeCollector,
@@ -132,6 +134,8 @@ class Node:
             EngineCollector(lambda: list(self.supervisors.values())),
             CheckpointCollector(self.holder.stats),
         )
+        self.gateway = Gateway(lambda: self.agent.view)
+        self.metrics.registry.register(GatewayCollector(self.gateway))
         self.agent.cycle_listeners += [self.metrics.observe_cycle, self.link.poke]
         self.server = MetricsServer(self.metrics)
 
@@ -180,7 +184,9 @@ class Node:
             raise StartupError(str(exc)) from None
         try:
             self.holder.bind()
-        except HolderBindError as exc:
+            await self.gateway.start(config.gateway.listen)
+        except (HolderBindError, GatewayBindError) as exc:
+            self.holder.close()
             await self.server.stop()
             await self.store.close()
             raise StartupError(str(exc)) from None
@@ -204,6 +210,9 @@ class Node:
             # then the supervisors stop the engines and GMS servers as their tasks return.
             log.info("stopping: resigning roles and deregistering")
             await self.agent.shutdown()
+            # No gateway routes here any more: let this gateway's streams in flight finish
+            # (bounded), then the supervisors stop the engines as their tasks return.
+            await self.gateway.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.store.close()
             await self.server.stop()

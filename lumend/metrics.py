@@ -40,6 +40,7 @@ from lumend.cluster.agent import ClusterAgent, CycleReport
 from lumend.cluster.models import WorkerRecord, WorkerState
 from lumend.config import parse_listen
 from lumend.failover.supervisor import WorkerSupervisor
+from lumend.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,30 @@ class CheckpointCollector(Collector):
         for reason, n in sorted(stats.bad_frames.items()):
             bad.add_metric([reason], n)
         yield from (held, budget, requests, evictions, refusals, orphans, bad)
+
+
+class GatewayCollector(Collector):
+    """This node's gateway: requests by outcome, resumes, rejections."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._gateway.counters
+        requests = CounterMetricFamily(
+            "lumen_gateway_requests", "Completions proxied, by outcome: ok, resumed (the "
+            "upstream broke and the request was resumed), failed, client_gone.",
+            labels=["outcome"])
+        for outcome in ("ok", "resumed", "failed", "client_gone"):
+            requests.add_metric([outcome], c.requests.get(outcome, 0))
+        yield requests
+        yield CounterMetricFamily("lumen_gateway_resumes", "Streams resumed after their "
+                                  "upstream broke mid-way.", value=c.resumes)
+        rejected = CounterMetricFamily("lumen_gateway_rejected", "Requests refused before "
+                                       "proxying, by error type.", labels=["type"])
+        for kind, n in sorted(c.rejected.items()):
+            rejected.add_metric([kind], n)
+        yield rejected
 
 
 def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFamily:

@@ -47,6 +47,10 @@ class GatewayTiming:
     retry_pause_s: float = 0.05
 
 
+class GatewayBindError(Exception):
+    """The gateway's listen address cannot be bound; the message names the key and the fix."""
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str, param: str | None = None):
         super().__init__(message)
@@ -89,13 +93,21 @@ class Gateway:
         return app
 
     async def start(self, listen: str) -> None:
+        host, port = parse_listen(listen)
+        # Stopping waits up to shutdown_timeout for streams in flight to finish.
+        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=10.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise GatewayBindError(
+                f'gateway.listen = "{listen}": cannot listen there ({exc.strerror or exc}); '
+                "choose a free port or an address of this host") from exc
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0,
                                         sock_read=self.timing.token_deadline_s)
         self._session = aiohttp.ClientSession(timeout=timeout)
-        host, port = parse_listen(listen)
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        self._runner = runner
         log.info("gateway serving the OpenAI API on http://%s", listen)
 
     async def stop(self) -> None:

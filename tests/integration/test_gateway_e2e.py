@@ -49,7 +49,7 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
             while min(r[0] for r in received) < 10:
                 assert time.monotonic() < deadline, "the streams never got going"
                 await asyncio.sleep(0.01)
-            view = read_view(cluster.endpoints, cluster.cluster)
+            view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
             victim = max(view.workers.values(), key=lambda w: w.load.running)
             pid = next(e.pid for e in victim.engines if e.role == "active")
             assert pid is not None
