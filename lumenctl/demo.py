@@ -63,8 +63,8 @@ def _whole(worker: WorkerRecord) -> bool:
 
 
 class Traffic:
-    """Completions sent back to back to one worker's engines, as a gateway would: try each
-    engine; a standby refuses at once (503), the active one answers."""
+    """Completions sent back to back to the first of `urls` that answers: a worker's engines
+    (a standby refuses at once with 503, the active one answers) or a gateway."""
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
@@ -106,7 +106,8 @@ def _engine_fault(console: Console, cluster: LocalCluster, worker: WorkerRecord)
     active = next(e for e in worker.engines if e.role == "active")
     assert active.pid is not None
     console.rule(f"fault: SIGKILL the active engine {active.id} (pid {active.pid}) under load")
-    with Traffic([e.url for e in worker.engines]) as traffic:
+    gateway = cluster.node(worker.node).gateway
+    with Traffic([e.url for e in worker.engines]) as traffic, Traffic([gateway]) as clients:
         time.sleep(1.0)
         killed_at = time.monotonic()
         os.kill(active.pid, signal.SIGKILL)
@@ -122,6 +123,10 @@ def _engine_fault(console: Console, cluster: LocalCluster, worker: WorkerRecord)
         f"[green]recovered:[/] {worker.name} answered again {took} after the kill; "
         f"{during.count(False)} attempts failed fast meanwhile, none hung; "
         f"{sum(ok for _, ok in traffic.results)} completions in all")
+    failed = sum(not ok for _, ok in clients.results)
+    console.print(
+        f"  meanwhile through {worker.node}'s gateway ({gateway}): {len(clients.results)} "
+        f"completions, {failed} failed (a stream cut by the kill is resumed elsewhere)")
     healed = view.workers[worker.name]
     console.print("  engines now: " + ", ".join(
         f"{e.id} {e.state} (pid {e.pid})" for e in healed.engines)
