@@ -50,6 +50,27 @@ def next_token(state: int) -> int:
     return FIRST_TOKEN + state % VOCAB
 
 
+def block_hashes(seed: int, tokens: list[int], start: int = 0,
+                 previous: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full blocks of `tokens` from block `start` (given the hash of
+    block start-1): a block's hash names its tokens and every token before them, so the
+    same prefix always maps to the same blocks, on any engine with the same seed."""
+    out = []
+    key = seed.to_bytes(8, "big")
+    for i in range(start, len(tokens) // BLOCK_SIZE):
+        block = bytes(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+        previous = hashlib.blake2b(previous + block, key=key, digest_size=16).digest()
+        out.append(previous)
+    return out
+
+
+def kv_page(block_hash: bytes, page_bytes: int) -> bytes:
+    """The KV page of a block: bytes derived from its chained hash, so a restored page can
+    be checked byte by byte against what the engine would have computed."""
+    digest = hashlib.blake2b(block_hash, digest_size=64).digest()
+    return (digest * (page_bytes // 64 + 1))[:page_bytes]
+
+
 @dataclass(frozen=True)
 class StepCost:
     """Step time as `a + b*prefill + c*prefill^2 + d*decode_batch + e*decode_context`."""
@@ -75,6 +96,7 @@ class SimRequest:
     output: list[int] = field(default_factory=list)
     state: int = 0
     cancelled: bool = False
+    chain: list[bytes] = field(default_factory=list)  # hashes of the full blocks computed
 
     @property
     def context_len(self) -> int:
@@ -82,6 +104,21 @@ class SimRequest:
 
     def blocks(self) -> int:
         return -(-self.context_len // BLOCK_SIZE)
+
+    def computed_tokens(self) -> list[int]:
+        """Tokens whose KV exists: the prefilled prompt and every output token but the
+        newest (its KV is computed by the next step)."""
+        if self.prefilled < len(self.prompt):
+            return self.prompt[: self.prefilled]
+        return self.prompt + self.output[:-1]
+
+    def new_full_blocks(self, seed: int) -> list[tuple[int, bytes]]:
+        """Blocks that became full since the last call: (index, chained hash)."""
+        start = len(self.chain)
+        fresh = block_hashes(seed, self.computed_tokens(), start,
+                             self.chain[-1] if self.chain else b"")
+        self.chain.extend(fresh)
+        return list(enumerate(fresh, start))
 
 
 @dataclass
@@ -102,6 +139,7 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.steps = 0
         self.tokens_generated = 0
+        self.prefill_tokens = 0  # prompt tokens computed (restored blocks are not)
 
     def add(self, request: SimRequest) -> None:
         request.state = context_state(self.seed, request.prompt)
@@ -143,6 +181,7 @@ class Scheduler:
             else:
                 decoding.append(r)
         context = sum(r.context_len for r in decoding)
+        self.prefill_tokens += prefill_tokens
         return self.cost.seconds(prefill_tokens, len(decoding), context), decoding
 
     def end_step(self, decoding: list[SimRequest]) -> None:

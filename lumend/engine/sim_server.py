@@ -20,12 +20,13 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer, parse_plan
 from lumend.engine.sim_core import Scheduler, SimRequest, decode, encode
 from lumend.engine.sim_models import MiB, SimModel, sim_model
 from lumend.failover.lifeline import die_with_supervisor
@@ -64,6 +65,9 @@ class SimEngine:
         self._kv_pool: bytearray | None = None
         self._work = asyncio.Event()
         self._released = asyncio.Event()
+        self.checkpointer = SimCheckpointer(opts.model, opts.seed)
+        self.saving: dict[str, tuple[SimRequest, CheckpointPlan]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
         self.requests_total = 0
         self.refused_total = 0
 
@@ -162,12 +166,25 @@ class SimEngine:
             duration, decoding = self.scheduler.begin_step()
             await asyncio.sleep(duration * self.opts.time_scale)
             self.scheduler.end_step(decoding)
+            for request, plan in list(self.saving.values()):
+                if request.cancelled or len(request.output) >= request.max_tokens:
+                    del self.saving[request.id]
+                else:
+                    self.checkpointer.save_new_blocks(request, plan)
 
-    def submit(self, prompt: list[int], max_tokens: int) -> tuple[SimRequest,
-                                                                   asyncio.Queue[int | None]]:
+    def background(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._background.discard)
+
+    def submit(self, prompt: list[int], max_tokens: int, *, restored: int = 0,
+               plan: CheckpointPlan | None = None) -> tuple[SimRequest,
+                                                             asyncio.Queue[int | None]]:
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         request = SimRequest(id=uuid.uuid4().hex, prompt=prompt, max_tokens=max_tokens,
-                             emit=queue.put_nowait)
+                             emit=queue.put_nowait, prefilled=restored)
+        if plan is not None and plan.mode == "save":
+            self.saving[request.id] = (request, plan)
         self.scheduler.add(request)
         self.requests_total += 1
         self._work.set()
@@ -242,6 +259,15 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_tokens_generated_total {s.tokens_generated}",
             f"lumen_sim_steps_total {s.steps}",
             f'lumen_sim_active {1 if engine.state == "active" else 0}',
+            f"lumen_sim_prefill_tokens_total {s.prefill_tokens}",
+        ]
+        c = engine.checkpointer.counters
+        lines += [
+            f"lumen_sim_ckpt_blocks_saved_total {c.blocks_saved}",
+            f"lumen_sim_ckpt_blocks_dropped_total {c.blocks_dropped}",
+            f"lumen_sim_restored_tokens_total {c.restored_tokens}",
+            f"lumen_sim_restore_misses_total {c.restore_misses}",
+            f"lumen_sim_restore_mismatches_total {c.restore_mismatches}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -261,9 +287,15 @@ def build_app(engine: SimEngine) -> web.Application:
             max_tokens = int(body.get("max_tokens", 16))
             if max_tokens < 1:
                 raise ValueError("max_tokens must be at least 1")
+            plan = parse_plan(body.get("kv_transfer_params"))
         except (ValueError, TypeError, json.JSONDecodeError) as exc:
             return _error(400, f"bad request: {exc}", "invalid_request_error")
-        sim_request, queue = engine.submit(prompt, max_tokens)
+        restored = 0
+        if plan is not None and plan.mode == "resume":
+            restored = await engine.checkpointer.restore(prompt, plan)
+        elif plan is not None:
+            await engine.checkpointer.connect(plan)
+        sim_request, queue = engine.submit(prompt, max_tokens, restored=restored, plan=plan)
         rid = ("chatcmpl-" if chat else "cmpl-") + sim_request.id
         try:
             if body.get("stream"):
@@ -271,6 +303,8 @@ def build_app(engine: SimEngine) -> web.Application:
             tokens = [t async for t in _tokens(queue)]
         finally:
             sim_request.cancelled = len(sim_request.output) < max_tokens
+            if plan is not None:  # the request is over: its checkpoint is not needed
+                engine.background(engine.checkpointer.finish(plan))
         text = decode(tokens)
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
                                    "finish_reason": "length"} if chat else

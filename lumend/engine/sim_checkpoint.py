@@ -1,0 +1,159 @@
+"""The sim engine's KV checkpoints: stream each block that becomes full to the request's
+holder, and on a resumed request load the blocks the holder has instead of recomputing.
+
+Requests name their checkpoint in the body, as they will for vLLM's connector:
+    "kv_transfer_params": {"lumen": {"ckpt_id": "...", "holder": "tcp://host:port",
+                                     "worker": "<holder's worker>", "mode": "save"|"resume"}}
+Best effort both ways: a dropped block only shortens the checkpoint; a missing or wrong page
+(checked byte by byte against what this engine would compute) means recompute, never an
+error to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+from lumend.engine.sim_core import BLOCK_SIZE, SimRequest, block_hashes, kv_page
+from lumend.engine.sim_models import SimModel
+
+log = logging.getLogger("lumend.engine.sim")
+
+Mode = Literal["save", "resume"]
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    ckpt_id: str
+    holder: str
+    worker: str
+    mode: Mode
+
+
+def parse_plan(kv_transfer_params: Any) -> CheckpointPlan | None:
+    """The request's checkpoint plan, or None; ValueError names what is malformed."""
+    if kv_transfer_params is None:
+        return None
+    if not isinstance(kv_transfer_params, dict):
+        raise ValueError("kv_transfer_params must be an object")
+    lumen = kv_transfer_params.get("lumen")
+    if lumen is None:
+        return None
+    if not isinstance(lumen, dict):
+        raise ValueError("kv_transfer_params.lumen must be an object")
+    fields = {}
+    for key in ("ckpt_id", "holder", "worker", "mode"):
+        value = lumen.get(key)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"kv_transfer_params.lumen.{key} must be a non-empty string")
+        fields[key] = value
+    if fields["mode"] not in ("save", "resume"):
+        raise ValueError('kv_transfer_params.lumen.mode must be "save" or "resume"')
+    if not fields["holder"].startswith("tcp://"):
+        raise ValueError("kv_transfer_params.lumen.holder must be tcp://host:port")
+    return CheckpointPlan(fields["ckpt_id"], fields["holder"], fields["worker"],
+                          fields["mode"])  # type: ignore[arg-type]
+
+
+@dataclass
+class CheckpointCounters:
+    blocks_saved: int = 0
+    blocks_dropped: int = 0
+    restored_tokens: int = 0
+    restore_misses: int = 0  # resumed requests the holder had nothing for
+    restore_mismatches: int = 0  # pages that were not what this engine computes
+
+
+class SimCheckpointer:
+    def __init__(self, model: SimModel, seed: int) -> None:
+        self.seed = seed
+        self.page_bytes = BLOCK_SIZE * model.kv_bytes_per_token
+        self.layout = PageLayout(
+            model=model.name,
+            layout_fingerprint=f"sim/{model.name}/block{BLOCK_SIZE}/{model.kv_bytes_per_token}B",
+            dtype="uint8", page_shape=(self.page_bytes,),
+        )
+        self.counters = CheckpointCounters()
+        self._streamers: dict[str, CheckpointStreamer] = {}
+
+    def _streamer(self, holder: str) -> CheckpointStreamer:
+        streamer = self._streamers.get(holder)
+        if streamer is None:
+            streamer = self._streamers[holder] = CheckpointStreamer(holder, self.layout)
+        return streamer
+
+    async def connect(self, plan: CheckpointPlan, within_s: float = 1.0) -> bool:
+        """Connect to the request's holder before it is admitted (blocks put before the
+        connection exists would be dropped, and a checkpoint with a gap is useless)."""
+        streamer = self._streamer(plan.holder)
+        deadline = asyncio.get_running_loop().time() + within_s
+        while not streamer.wait_connected(0):
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("holder %s not reachable within %.1f s; request %s runs without "
+                            "a checkpoint", plan.holder, within_s, plan.ckpt_id)
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def save_new_blocks(self, request: SimRequest, plan: CheckpointPlan) -> None:
+        """Queue the blocks that became full (never blocks: drops are counted)."""
+        streamer = self._streamer(plan.holder)
+        for index, block_hash in request.new_full_blocks(self.seed):
+            sent = streamer.put_block(
+                ckpt_id=plan.ckpt_id, request_id=request.id, worker=plan.worker,
+                block_index=index, block_hash=block_hash,
+                page=kv_page(block_hash, self.page_bytes),
+                token_count=(index + 1) * BLOCK_SIZE)
+            if sent:
+                self.counters.blocks_saved += 1
+            else:
+                self.counters.blocks_dropped += 1
+
+    async def finish(self, plan: CheckpointPlan, within_s: float = 2.0) -> bool:
+        """Tell the holder to free the checkpoint. Off the decode path, so it may wait a
+        moment for the connection (a holder first contacted by a resumed request); if it
+        cannot be told, the holder's idle collection frees the pages later."""
+        streamer = self._streamer(plan.holder)
+        deadline = asyncio.get_running_loop().time() + within_s
+        while not streamer.finish(plan.ckpt_id):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def restore(self, prompt: list[int], plan: CheckpointPlan) -> int:
+        """Tokens of `prompt` whose KV the holder has, verified; at least one token is left
+        to compute (the step that yields the next token)."""
+        await self.connect(plan)  # the request's FINISH goes through this connection
+        restored = await asyncio.to_thread(self._fetch, prompt, plan)
+        restored = min(restored, len(prompt) - 1)
+        self.counters.restored_tokens += restored
+        return restored
+
+    def _fetch(self, prompt: list[int], plan: CheckpointPlan) -> int:
+        # A streamer of its own: ZeroMQ sockets belong to one thread.
+        streamer = CheckpointStreamer(plan.holder, self.layout)
+        try:
+            hashes = block_hashes(self.seed, prompt)
+            matched = streamer.lookup(plan.ckpt_id, hashes) or 0
+            if not matched:
+                self.counters.restore_misses += 1
+                return 0
+            for index in range(matched):
+                page = streamer.get(plan.ckpt_id, hashes[index])
+                if page is None or bytes(page.data) != kv_page(hashes[index],
+                                                                   self.page_bytes):
+                    self.counters.restore_mismatches += 1
+                    log.warning("checkpoint %s: block %d is missing or not this engine's KV; "
+                                "recomputing from there", plan.ckpt_id, index)
+                    return index * BLOCK_SIZE
+            return matched * BLOCK_SIZE
+        finally:
+            streamer.close()
+
+    def close(self) -> None:
+        for streamer in self._streamers.values():
+            streamer.close()
