@@ -25,6 +25,7 @@ from aiohttp import web
 
 from lumend.cluster.view import ClusterView
 from lumend.config import parse_listen
+from lumend.gateway.checkpoints import Placement, place, route
 from lumend.gateway.routing import Target, choose_worker, models
 from lumend.gateway.upstream import EngineRefused, StreamBroken, resume_body, stream_from
 
@@ -38,6 +39,7 @@ class GatewayCounters:
     requests: Counter[str] = field(default_factory=Counter)  # by outcome
     resumes: int = 0
     rejected: Counter[str] = field(default_factory=Counter)  # by reason
+    routed: Counter[str] = field(default_factory=Counter)  # recovery decisions: resume/recompute
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,11 @@ class Gateway:
         give_up_at = time.monotonic() + self.timing.recover_within_s
         exclude: set[str] = set()
         broken_worker: str | None = None
+        placement: Placement | None = None
+        resume_on: str | None = None  # where recovery routing sent the request, if anywhere
         while True:
-            target = self._route(body.get("model"), exclude, prefer=broken_worker)
+            target = self._route(body.get("model"), exclude,
+                                 prefer=resume_on or broken_worker)
             if target is None:
                 if time.monotonic() > give_up_at:
                     raise ApiError(503, "no worker could serve the request", "unavailable")
@@ -181,6 +186,14 @@ class Gateway:
             progress.workers.append(target.worker)
             upstream = resume_body(body, chat, progress.text, max_tokens - progress.tokens)
             upstream.setdefault("model", target.model)
+            view = self._view()
+            if placement is None and not progress.workers[:-1] and view is not None:
+                placement = place(view, target.worker, uuid.uuid4().hex)
+            if placement is not None:
+                resuming = resume_on == target.worker and placement.worker == target.worker
+                if resuming or not progress.tokens:
+                    upstream["kv_transfer_params"] = placement.params(
+                        "resume" if resuming else "save")
             self.in_flight[target.worker] += 1
             try:
                 pieces = stream_from(self._session, target.urls, path, upstream)
@@ -195,16 +208,33 @@ class Gateway:
                 return
             except EngineRefused:
                 exclude.add(target.worker)
-                broken_worker = None
+                broken_worker = resume_on = None
             except StreamBroken as exc:
                 log.warning("stream from %s broke after %d tokens: %s", target.worker,
                             progress.tokens, exc)
                 broken_worker = target.worker  # its shadow may already serve
+                resume_on = None
+                view = self._view()
+                if placement is not None and view is not None:
+                    decision = route(view, placement, target.worker,
+                                     len(progress.text) + self._prompt_chars(body, chat))
+                    if decision is not None:
+                        resume_on = decision[0]
+                        self.counters.routed["resume" if decision[1] else "recompute"] += 1
+                    log.info("recovery routing: checkpoint on %s, %s", placement.worker,
+                             "no survivor" if decision is None else
+                             f"{'resume' if decision[1] else 'recompute'} on {decision[0]}")
             finally:
                 self.in_flight[target.worker] -= 1
             if time.monotonic() > give_up_at:
                 raise ApiError(503, "the request could not be resumed in time", "unavailable")
             await asyncio.sleep(self.timing.retry_pause_s)
+
+    @staticmethod
+    def _prompt_chars(body: dict[str, Any], chat: bool) -> int:
+        if chat:
+            return sum(len(m["content"]) for m in body["messages"])
+        return len(body["prompt"])
 
     def _route(self, model: str | None, exclude: set[str], prefer: str | None) -> Target | None:
         view = self._view()

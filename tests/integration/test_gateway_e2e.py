@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 
 import aiohttp
@@ -18,6 +19,14 @@ from ..gateway.test_gateway import MAX_TOKENS, chat_prompt, stream
 from .conftest import read_view, wait_until
 
 MakeCluster = Callable[..., LocalCluster]
+
+
+def engine_metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
 
 
 def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluster) -> None:
@@ -37,7 +46,7 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
             wait_gateway = time.monotonic() + 30
             while True:  # the gateway reads the cluster once per HA cycle
                 async with session.get(base + "/health") as r:
-                    if r.status == 200:
+                    if r.status == 200 and (await r.json())["serving_workers"] == 2:
                         break
                 assert time.monotonic() < wait_gateway, "the gateway never saw a worker"
                 await asyncio.sleep(0.1)
@@ -61,5 +70,13 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
                 assert text == decode(reference_completion(0, encode(wanted), MAX_TOKENS))
         log = cluster.node("node-1").log_text()
         assert "resuming a request on" in log, "no stream was interrupted: the test is void"
+        # Streams were checkpointed to a holder on the other node, and the interrupted ones
+        # resumed from their pages there instead of recomputing their whole prefix.
+        view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
+        restored = 0.0
+        for worker in view.workers.values():
+            for engine in worker.engines:
+                restored += engine_metric(engine.url, "lumen_sim_restored_tokens_total")
+        assert restored > 0, "no interrupted stream was resumed from its checkpoint"
 
     asyncio.run(scenario())

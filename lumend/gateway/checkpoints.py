@@ -1,0 +1,68 @@
+"""Checkpoint placement and recovery routing for the gateway's requests: the coordinator's
+policy functions (Algorithms 1 and 2), applied to this node's view of the cluster.
+
+Until the coordinator's `Admit`/`Recover` exist this is the gateway's local decision; the
+functions are the same ones the coordinator and the simulator call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lumend.cluster.view import ClusterView
+from lumend.coordinator.policy import LoadSnapshot, PolicyConfig, WorkerLoad, place_checkpoint
+from lumend.coordinator.policy import recover as policy_recover
+
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Placement:
+    ckpt_id: str
+    worker: str  # the holder: a worker on the node whose holder keeps the pages
+    endpoint: str  # tcp://host:port of that node's holder
+
+    def params(self, mode: str) -> dict[str, Any]:
+        return {"lumen": {"ckpt_id": self.ckpt_id, "holder": self.endpoint,
+                          "worker": self.worker, "mode": mode}}
+
+
+def _snapshot(view: ClusterView, down: str | None) -> tuple[list[str], LoadSnapshot]:
+    workers = sorted((w for w in view.workers.values() if w.node in view.nodes),
+                     key=lambda w: w.name)
+    names = [w.name for w in workers]
+    snapshot = LoadSnapshot.from_workers([
+        WorkerLoad(name=w.name, node=w.node, ckpt_bytes=float(w.checkpoints.bytes_held),
+                   queue=w.load.running + w.load.waiting,
+                   budget_bytes=float(w.checkpoints.budget_bytes),
+                   alive=w.state == "serving" and w.name != down)
+        for w in workers
+    ])
+    return names, snapshot
+
+
+def place(view: ClusterView, serving: str, ckpt_id: str,
+          cfg: PolicyConfig | None = None) -> Placement | None:
+    """Algorithm 1 (or the configured baseline) for a request served by `serving`."""
+    names, snapshot = _snapshot(view, None)
+    if serving not in names:
+        return None
+    # The size is not known up front; one byte asks for a holder with any budget at all.
+    index = place_checkpoint(snapshot, names.index(serving), 1.0, cfg or PolicyConfig())
+    if index is None:
+        return None
+    holder = view.workers[names[index]]
+    return Placement(ckpt_id, holder.name, "tcp://" + view.nodes[holder.node].checkpoint)
+
+
+def route(view: ClusterView, placement: Placement | None, broken: str, prefix_tokens: int,
+          cfg: PolicyConfig | None = None) -> tuple[str, bool] | None:
+    """Algorithm 2 (or the baseline) for a request whose worker `broken` failed: the worker
+    to continue on and whether to resume there from the checkpoint."""
+    names, snapshot = _snapshot(view, broken)
+    holder = (names.index(placement.worker)
+              if placement is not None and placement.worker in names else None)
+    decision = policy_recover(snapshot, holder, prefix_tokens // BLOCK_TOKENS,
+                              cfg or PolicyConfig())
+    return None if decision is None else (names[decision.worker], decision.resume)

@@ -1,0 +1,57 @@
+"""Placement and recovery routing of the gateway, over a decoded view (no processes)."""
+
+from __future__ import annotations
+
+from lumend.cluster.models import CheckpointUsage, NodeRecord, WorkerLoad, WorkerRecord
+from lumend.cluster.view import ClusterView
+from lumend.coordinator.policy import Mode, PolicyConfig
+from lumend.gateway.checkpoints import place, route
+
+GIB = 1 << 30
+
+
+def node(name: str) -> NodeRecord:
+    return NodeRecord(name=name, address="10.0.0.1", pid=1, version="0", started_at=0,
+                      updated_at=0, gateway="g", rpc="r", checkpoint=f"{name}:7441",
+                      metrics="m")
+
+
+def worker(name: str, node_name: str, running: int = 0, held: int = 0,
+           budget: int = GIB, state: str = "serving") -> WorkerRecord:
+    return WorkerRecord(name=name, node=node_name, gpus=[0], engine="sim", model="m",
+                        state=state,  # type: ignore[arg-type]
+                        load=WorkerLoad(running=running),
+                        checkpoints=CheckpointUsage(bytes_held=held, budget_bytes=budget),
+                        updated_at=0)
+
+
+def view(*workers: WorkerRecord) -> ClusterView:
+    nodes = {w.node for w in workers}
+    return ClusterView(cluster="t", revision=1, nodes={n: node(n) for n in nodes},
+                       workers={w.name: w for w in workers})
+
+
+def test_holder_is_the_least_loaded_elsewhere_with_budget() -> None:
+    v = view(worker("a0", "a", running=1), worker("b0", "b", running=5),
+             worker("c0", "c", running=2), worker("c1", "c", running=0, budget=0))
+    placement = place(v, "a0", "req")
+    assert placement is not None
+    assert (placement.worker, placement.endpoint) == ("c0", "tcp://c:7441")
+    assert placement.params("save")["lumen"]["mode"] == "save"
+    # Nobody with budget: no checkpoint; stop-and-restart: none either.
+    assert place(view(worker("a0", "a"), worker("b0", "b", budget=0)), "a0", "r") is None
+    assert place(v, "a0", "r", PolicyConfig(mode=Mode.stop_and_restart)) is None
+
+
+def test_recovery_resumes_on_the_holder_unless_it_is_overloaded() -> None:
+    v = view(worker("a0", "a"), worker("b0", "b", running=1), worker("c0", "c", running=0))
+    placement = place(v, "a0", "req")
+    assert placement is not None and placement.worker == "c0"
+    assert route(v, placement, "a0", prefix_tokens=160) == ("c0", True)
+    # The holder is overloaded and the prefix short: recompute on the least-loaded survivor.
+    busy = view(worker("a0", "a"), worker("b0", "b", running=1), worker("c0", "c", running=99))
+    assert route(busy, placement, "a0", prefix_tokens=32) == ("b0", False)
+    # ...unless the prefix is long (more than tau blocks): resume anyway.
+    assert route(busy, placement, "a0", prefix_tokens=16 * 65) == ("c0", True)
+    # No checkpoint: recompute on the least-loaded survivor, never on the failed worker.
+    assert route(v, None, "a0", prefix_tokens=160) == ("c0", False)
