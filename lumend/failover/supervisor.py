@@ -34,7 +34,9 @@ log = logging.getLogger("lumend.failover")
 @dataclass(frozen=True)
 class SupervisorTiming:
     tick_s: float = 0.1
-    probe_deadline_s: float = 1.0
+    # A live engine that has not answered for hung_after_failures x probe_deadline_s is
+    # hung; generous enough that a busy CPU does not get a healthy engine killed.
+    probe_deadline_s: float = 2.0
     hung_after_failures: int = 3  # consecutive probe failures of a live process
     start_timeout_s: float = 600.0  # an engine not past initialising by then is killed
     backoff_first_s: float = 0.5
