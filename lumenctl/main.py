@@ -22,8 +22,8 @@ import typer
 from rich.console import Console
 
 from lumenctl import sim_cmd
-from lumenctl.render import as_json, as_yaml, events_table, status_tables
-from lumenctl.report import events_document, status_document
+from lumenctl.render import as_json, as_yaml, checkpoints_table, events_table, status_tables
+from lumenctl.report import checkpoints_document, events_document, status_document
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import Event, Intent, encode_value
 from lumend.cluster.store import Delete, EtcdStore, Put, StoreError, StoreUnavailable, TlsFiles
@@ -192,6 +192,22 @@ def events(
         typer.echo(as_yaml(doc))
     else:
         c.console.print(events_table(doc))
+
+
+# -- checkpoints ------------------------------------------------------------------------
+
+
+@app.command()
+def checkpoints(ctx: typer.Context) -> None:
+    """KV checkpoint holders: bytes held against each budget, requests, balance."""
+    c: Context = ctx.obj
+    doc = checkpoints_document(_run(c, lambda store: _read_view(c, store)))
+    if c.output is Output.json:
+        typer.echo(as_json(doc))
+    elif c.output is Output.yaml:
+        typer.echo(as_yaml(doc))
+    else:
+        c.console.print(checkpoints_table(doc))
 
 
 # -- intents ----------------------------------------------------------------------------

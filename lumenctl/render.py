@@ -60,6 +60,20 @@ def status_tables(doc: dict[str, Any]) -> RenderableType:
     return Group(*parts)
 
 
+def checkpoints_table(doc: dict[str, Any]) -> RenderableType:
+    table = Table(title=f"checkpoint holders in cluster {doc['cluster']}", title_justify="left")
+    for column in ("WORKER", "NODE", "HELD", "BUDGET", "FILL", "REQUESTS"):
+        table.add_column(column)
+    for h in doc["holders"]:
+        fill = "-" if h["fill"] is None else f"{h['fill'] * 100:.1f}%"
+        table.add_row(h["worker"], h["node"], _size(h["bytes_held"]), _size(h["budget_bytes"]),
+                      fill, str(h["requests"]))
+    balance = doc["balance_ratio"]
+    caption = (f"{_size(doc['bytes_held'])} in {doc['requests']} checkpoints; balance "
+               f"(max/min held) {'-' if balance is None else f'{balance:.2f}'}")
+    return Group(table, Text(caption))
+
+
 def events_table(doc: dict[str, Any]) -> RenderableType:
     table = Table(title=f"events in cluster {doc['cluster']}", title_justify="left")
     for column in ("TIME", "KIND", "SOURCE", "EPOCH", "MESSAGE"):

@@ -54,6 +54,25 @@ def status_document(view: ClusterView) -> dict[str, Any]:
     }
 
 
+def checkpoints_document(view: ClusterView) -> dict[str, Any]:
+    """Per holder worker: bytes held against its budget and requests held; the balance
+    ratio (most over least bytes held among workers with a budget) says whether placement
+    spreads checkpoints (1.0 is even; null when some holder holds nothing)."""
+    workers = sorted(view.workers.values(), key=lambda w: w.name)
+    held = [w.checkpoints.bytes_held for w in workers if w.checkpoints.budget_bytes]
+    balance = (max(held) / min(held)) if held and min(held) > 0 else None
+    holders: list[dict[str, Any]] = [
+        {"worker": w.name, "node": w.node, "bytes_held": w.checkpoints.bytes_held,
+         "budget_bytes": w.checkpoints.budget_bytes, "requests": w.checkpoints.requests,
+         "fill": (w.checkpoints.bytes_held / w.checkpoints.budget_bytes
+                  if w.checkpoints.budget_bytes else None)}
+        for w in workers
+    ]
+    return {"cluster": view.cluster, "holders": holders,
+            "bytes_held": sum(w.checkpoints.bytes_held for w in workers),
+            "requests": sum(w.checkpoints.requests for w in workers), "balance_ratio": balance}
+
+
 def events_document(cluster: str, events: list[Event]) -> dict[str, Any]:
     return {"cluster": cluster, "events": [msgspec.to_builtins(e) for e in events]}
 

@@ -99,6 +99,17 @@ def test_intents_are_written_shown_and_removed(cluster: LocalCluster) -> None:
     assert {"drain_requested", "drain_withdrawn"} <= set(kinds)
 
 
+def test_checkpoints_lists_every_holder(cluster: LocalCluster) -> None:
+    result = lumenctl(cluster, "-o", "json", "checkpoints")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert sorted(h["worker"] for h in doc["holders"]) == ["node-1-w0", "node-2-w0",
+                                                           "node-3-w0"]
+    assert all(h["budget_bytes"] == 1 << 30 for h in doc["holders"])
+    table = lumenctl(cluster, "checkpoints")
+    assert table.returncode == 0 and "node-2-w0" in table.stdout and "1.0GiB" in table.stdout
+
+
 def test_malformed_values_are_reported_and_skipped(cluster: LocalCluster) -> None:
     keys = Keys(cluster.cluster)
     subprocess.run(["etcdctl", "--endpoints", cluster.endpoints[0], "put",

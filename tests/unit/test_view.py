@@ -80,3 +80,31 @@ def test_empty_cluster_has_no_coordinator() -> None:
 
 def test_event_keys_sort_by_time() -> None:
     assert KEYS.event(999, "b", 1) < KEYS.event(1000, "a", 0)
+
+
+def test_checkpoints_document_reports_fill_and_balance() -> None:
+    from lumenctl.report import checkpoints_document
+    from lumend.cluster.models import CheckpointUsage
+
+    def holder(name: str, held: int, budget: int, requests: int) -> WorkerRecord:
+        return msgspec_replace(worker(name, "n1"), CheckpointUsage(
+            bytes_held=held, budget_bytes=budget, requests=requests))
+
+    snapshot = Snapshot([
+        kv(KEYS.worker("a"), encode_value(holder("a", 300, 1000, 3))),
+        kv(KEYS.worker("b"), encode_value(holder("b", 100, 1000, 1))),
+        kv(KEYS.worker("c"), encode_value(holder("c", 0, 0, 0))),  # holds none by config
+    ], revision=2)
+    doc = checkpoints_document(build_view(KEYS, snapshot))
+    assert [h["worker"] for h in doc["holders"]] == ["a", "b", "c"]
+    assert doc["holders"][0]["fill"] == 0.3 and doc["holders"][2]["fill"] is None
+    assert doc["bytes_held"] == 400 and doc["requests"] == 4
+    assert doc["balance_ratio"] == 3.0  # c has no budget, so it does not count
+    empty = Snapshot([kv(KEYS.worker("a"), encode_value(holder("a", 0, 1000, 0)))], revision=3)
+    assert checkpoints_document(build_view(KEYS, empty))["balance_ratio"] is None
+
+
+def msgspec_replace(record: WorkerRecord, usage: object) -> WorkerRecord:
+    import msgspec
+
+    return msgspec.structs.replace(record, checkpoints=usage)
