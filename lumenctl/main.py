@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from lumenctl import sim_cmd
 from lumenctl.render import as_json, as_yaml, checkpoints_table, events_table, status_tables
@@ -153,14 +153,21 @@ def status(
 
 
 def _emit_status(c: Context, view: ClusterView) -> None:
-    doc = status_document(view)
+    # YAML documents end with "---" so that `status --watch -o yaml` is a valid stream.
+    _emit(c, status_document(view), status_tables, yaml_end="---")
+
+
+def _emit(c: Context, doc: dict[str, Any], table: Callable[[dict[str, Any]], RenderableType],
+          yaml_end: str | None = None) -> None:
+    """One report in the chosen output format; every format renders the same document."""
     if c.output is Output.json:
         typer.echo(as_json(doc))
     elif c.output is Output.yaml:
         typer.echo(as_yaml(doc))
-        typer.echo("---")
+        if yaml_end:
+            typer.echo(yaml_end)
     else:
-        c.console.print(status_tables(doc))
+        c.console.print(table(doc))
 
 
 def _sleep_or_exit(seconds: float) -> None:
@@ -185,13 +192,7 @@ def events(
     """The cluster's recovery, failover and coordinator history, oldest first."""
     c: Context = ctx.obj
     view = _run(c, lambda store: _read_view(c, store))
-    doc = events_document(c.cluster, view.events[-limit:])
-    if c.output is Output.json:
-        typer.echo(as_json(doc))
-    elif c.output is Output.yaml:
-        typer.echo(as_yaml(doc))
-    else:
-        c.console.print(events_table(doc))
+    _emit(c, events_document(c.cluster, view.events[-limit:]), events_table)
 
 
 # -- checkpoints ------------------------------------------------------------------------
@@ -201,13 +202,8 @@ def events(
 def checkpoints(ctx: typer.Context) -> None:
     """KV checkpoint holders: bytes held against each budget, requests, balance."""
     c: Context = ctx.obj
-    doc = checkpoints_document(_run(c, lambda store: _read_view(c, store)))
-    if c.output is Output.json:
-        typer.echo(as_json(doc))
-    elif c.output is Output.yaml:
-        typer.echo(as_yaml(doc))
-    else:
-        c.console.print(checkpoints_table(doc))
+    _emit(c, checkpoints_document(_run(c, lambda store: _read_view(c, store))),
+          checkpoints_table)
 
 
 # -- intents ----------------------------------------------------------------------------

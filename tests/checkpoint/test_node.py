@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster
 from lumend.checkpoint.streamer import CheckpointStreamer
 from lumend.config import load_config
-from tests.integration.conftest import read_view, wait_until
+from tests.integration.conftest import wait_until
 
 from .conftest import LAYOUT, PAGE, RawPeer, block_hash, page
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from lumenctl.demo import read_view
 from lumenctl.localcluster import EtcdCluster, free_ports, node_config_toml, stop_process
-from tests.integration.conftest import etcd, read_view, wait_until
+from tests.integration.conftest import etcd, wait_until
 
 __all__ = ["etcd", "read_view", "wait_until"]
 

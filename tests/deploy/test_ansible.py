@@ -26,9 +26,8 @@ import jinja2
 import pytest
 import yaml
 
+from lumenctl.demo import read_view
 from lumenctl.localcluster import free_ports
-
-from .conftest import read_view
 
 REPO = Path(__file__).parents[2]
 ANSIBLE = REPO / "ansible"

@@ -98,6 +98,38 @@ async def stream(session: aiohttp.ClientSession, base: str, chat: bool,
     return ids, "".join(pieces), errors
 
 
+class Streams:
+    """Eight concurrent streams through a gateway (even: completions, odd: chat)."""
+
+    def __init__(self, prompts: list[str], received: list[list[int]],
+                 tasks: list[asyncio.Task[tuple[set[str], str, list[str]]]]) -> None:
+        self.prompts, self.received, self.tasks = prompts, received, tasks
+
+    @classmethod
+    async def start(cls, session: aiohttp.ClientSession, base: str, pattern: str) -> Streams:
+        """Start them and return once every one has received 10 pieces (so a kill now
+        interrupts them mid-stream)."""
+        prompts = [pattern.format(i) for i in range(8)]
+        received = [[0] for _ in prompts]
+        tasks = [asyncio.create_task(stream(session, base, i % 2 == 1, p, received[i]))
+                 for i, p in enumerate(prompts)]
+        deadline = time.monotonic() + 30
+        while min(r[0] for r in received) < 10:
+            assert time.monotonic() < deadline, "the streams never got going"
+            await asyncio.sleep(0.01)
+        return cls(prompts, received, tasks)
+
+    async def check_against_failure_free(self) -> None:
+        """Every stream completes, under one id, equal to the failure-free stream."""
+        results = await asyncio.gather(*self.tasks)
+        for i, (prompt, (ids, text, errors)) in enumerate(zip(self.prompts, results,
+                                                               strict=True)):
+            assert errors == []
+            assert len(ids) == 1, "one id for the whole stream"
+            reference = expected(chat_prompt(prompt) if i % 2 == 1 else prompt)
+            assert text == reference, f"request {i} differs from the failure-free stream"
+
+
 def busiest(sups: list[WorkerSupervisor]) -> WorkerSupervisor:
     return max(sups, key=lambda s: s.load.running)
 
@@ -107,24 +139,11 @@ def test_streams_survive_the_loss_of_their_engine(tmp_path: Path, shadows: int) 
     async def scenario() -> None:
         async with cluster(tmp_path, shadows) as (gateway, base, sups), \
                 aiohttp.ClientSession() as session:
-            prompts = [f"request number {i} says hello" for i in range(8)]
-            received = [[0] for _ in prompts]
-            tasks = [asyncio.create_task(stream(session, base, i % 2 == 1, p, received[i]))
-                     for i, p in enumerate(prompts)]
-            # Kill the active engine of the busiest worker once every stream is under way.
-            deadline = time.monotonic() + 30
-            while min(r[0] for r in received) < 10:
-                assert time.monotonic() < deadline, "the streams never got going"
-                await asyncio.sleep(0.01)
+            streams = await Streams.start(session, base, "request number {} says hello")
             victim = next(s for s in busiest(sups).slots if s.state == "active")
             assert victim.proc is not None
             os.kill(victim.proc.pid, signal.SIGKILL)
-            results = await asyncio.gather(*tasks)
-            for i, (prompt, (ids, text, errors)) in enumerate(zip(prompts, results, strict=True)):
-                reference = expected(chat_prompt(prompt) if i % 2 == 1 else prompt)
-                assert errors == []
-                assert len(ids) == 1, "one id for the whole stream"
-                assert text == reference, f"request {i} differs from the failure-free stream"
+            await streams.check_against_failure_free()
             assert gateway.counters.resumes >= 1, "no stream was interrupted: the test is void"
 
     asyncio.run(scenario())

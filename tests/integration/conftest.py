@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,9 +10,6 @@ from typing import TypeVar
 import pytest
 
 from lumenctl.localcluster import EtcdCluster, LocalCluster
-from lumend.cluster.keys import Keys
-from lumend.cluster.store import EtcdStore
-from lumend.cluster.view import ClusterView, build_view
 
 T = TypeVar("T")
 
@@ -51,18 +47,6 @@ def local_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     finally:
         for cluster in started:
             cluster.stop()
-
-
-def read_view(endpoints: list[str], cluster: str) -> ClusterView:
-    async def go() -> ClusterView:
-        store = EtcdStore(endpoints, request_timeout_s=1.0)
-        try:
-            keys = Keys(cluster)
-            return build_view(keys, await store.get_prefix(keys.root))
-        finally:
-            await store.close()
-
-    return asyncio.run(go())
 
 
 def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:

@@ -7,13 +7,14 @@ import signal
 import time
 from collections.abc import Callable
 
+from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import Event, decode_value
 from lumend.cluster.store import EtcdStore, KeyValue
 from lumend.cluster.view import ClusterView
 
-from .conftest import read_view, wait_until
+from .conftest import wait_until
 
 MakeCluster = Callable[..., LocalCluster]
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster
 from lumend.cluster.keys import Keys
 
-from .conftest import read_view, wait_until
+from .conftest import wait_until
 from .test_coordinator import raw, settled
 
 MakeCluster = Callable[..., LocalCluster]

@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import aiohttp
 
+from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster
-from lumend.engine.sim_core import decode, encode, reference_completion
 
-from ..gateway.test_gateway import MAX_TOKENS, chat_prompt, stream
-from .conftest import read_view, wait_until
+from ..gateway.test_gateway import Streams
+from .conftest import wait_until
 
 MakeCluster = Callable[..., LocalCluster]
 
@@ -50,24 +50,13 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
                         break
                 assert time.monotonic() < wait_gateway, "the gateway never saw a worker"
                 await asyncio.sleep(0.1)
-            prompts = [f"stream {i} of the end-to-end test" for i in range(8)]
-            received = [[0] for _ in prompts]
-            tasks = [asyncio.create_task(stream(session, base, i % 2 == 1, p, received[i]))
-                     for i, p in enumerate(prompts)]
-            deadline = time.monotonic() + 30
-            while min(r[0] for r in received) < 10:
-                assert time.monotonic() < deadline, "the streams never got going"
-                await asyncio.sleep(0.01)
+            streams = await Streams.start(session, base, "stream {} of the end-to-end test")
             view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
             victim = max(view.workers.values(), key=lambda w: w.load.running)
             pid = next(e.pid for e in victim.engines if e.role == "active")
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            results = await asyncio.gather(*tasks)
-            for i, (prompt, (ids, text, errors)) in enumerate(zip(prompts, results, strict=True)):
-                wanted = chat_prompt(prompt) if i % 2 == 1 else prompt
-                assert errors == [] and len(ids) == 1
-                assert text == decode(reference_completion(0, encode(wanted), MAX_TOKENS))
+            await streams.check_against_failure_free()
         log = cluster.node("node-1").log_text()
         assert "resuming a request on" in log, "no stream was interrupted: the test is void"
         # Streams were checkpointed to a holder on the other node, and the interrupted ones

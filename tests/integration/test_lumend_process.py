@@ -6,9 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lumenctl.demo import read_view
 from lumenctl.localcluster import EtcdCluster, LumendNode, free_ports, node_config_toml
 
-from .conftest import read_view, wait_until
+from .conftest import wait_until
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "lumend.toml"
 
