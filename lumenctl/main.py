@@ -65,7 +65,8 @@ class Context:
 
 app = typer.Typer(
     name="lumenctl",
-    help="Operate a LUMEN cluster: status, events, drain/undrain, failover.\n\n"
+    help="Operate a LUMEN cluster: status, events, checkpoints, drain/undrain, failover, "
+    "keys.\n\n"
     "Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable.",
     no_args_is_help=True,
     add_completion=False,
@@ -327,6 +328,34 @@ def _remove_intent(c: Context, kind: str, target: str) -> None:
     if not _run(c, remove):
         _fail(EXIT_FAILED, f"no {kind} intent for {target!r} in cluster {c.cluster!r}")
     typer.echo(f"{kind} intent removed for {target}")
+
+
+# -- keys -------------------------------------------------------------------------------
+
+keys_app = typer.Typer(help="The cluster's CURVE keys for checkpoint sockets.",
+                       no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("generate")
+def keys_generate(
+    path: Path = typer.Argument(..., help="Where to write the key file, e.g. "
+                                "/etc/lumen/checkpoint.keys."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+) -> None:
+    """Write a new cluster key file (mode 0600): copy the same file to every node and set
+    checkpoint.keys in lumend.toml to its path. Replacing it needs every node restarted."""
+    from lumend.checkpoint.security import CurveKeys
+
+    try:
+        CurveKeys.generate().write(path, force=force)
+    except FileExistsError:
+        _fail(EXIT_FAILED, f"{path} already exists; pass --force to replace it (every node "
+              "then needs the new file and a restart)")
+    except OSError as exc:
+        _fail(EXIT_FAILED, f"cannot write {path} ({exc.strerror}); choose a writable path")
+    typer.echo(f"wrote CURVE keys to {path} (mode 0600); copy it to every node, owned by "
+               "the lumend user, and set [checkpoint] keys to its path")
 
 
 # -- demo -------------------------------------------------------------------------------

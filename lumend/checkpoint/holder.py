@@ -4,6 +4,10 @@ Engines stream KV pages here (PUT); resuming engines ask what is held (LOOKUP) a
 (GET); a finished request frees its pages (FINISH). Every request gets one reply, an ACK or
 an ERROR naming the reason. Bad input is refused, counted and logged (rate-limited); nothing
 a peer sends can stop the service.
+
+With CURVE keys (`security.py`) the socket is a CURVE server and a ZAP handler of our own
+admits only peers presenting the cluster's client key; every refused handshake is counted
+as `unauthenticated`, and the holder keeps serving the peers that pass.
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+from zmq.utils.z85 import encode as z85_encode
 
 from lumend.checkpoint import wire
+from lumend.checkpoint.security import CurveKeys
 from lumend.checkpoint.store import (
     CheckpointStore,
     PageMeta,
@@ -35,6 +42,10 @@ from lumend.checkpoint.wire import Header, Reason, WireError
 log = logging.getLogger("lumend.checkpoint")
 
 LOG_EVERY_S = 10.0  # at most one warning per reason per interval; the counters count all
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
+# Handshakes that fail before ZAP is asked: a peer without CURVE, or with another server key.
+# (A key refused by ZAP is counted by the ZAP handler, which also knows the key.)
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class HolderConfig:
     max_page_bytes: int = wire.DEFAULT_MAX_PAGE_BYTES
     sweep_interval_s: float = 5.0
     rcvhwm: int = 1000
+    curve: CurveKeys | None = None  # None: no authentication, no encryption (tests only)
 
 
 @dataclass(frozen=True)
@@ -77,8 +89,14 @@ class HolderService:
         self.config = config
         self.store = store or CheckpointStore(config.workers, config.budget_bytes,
                                               config.policy, config.ttl_s)
-        self._context = context or zmq.asyncio.Context.instance()
+        # A ZAP handler serves its whole context, so a secure holder gets a context of its
+        # own (several holders in one process, as in tests, must not share one).
+        self._own_context = context is None and config.curve is not None
+        self._context = context or (zmq.asyncio.Context() if self._own_context
+                                    else zmq.asyncio.Context.instance())
         self._socket: zmq.asyncio.Socket | None = None
+        self._zap: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self.bad_frames: Counter[str] = Counter({r: 0 for r in wire.BAD_FRAME_REASONS})
         self.lookups = 0
         self.gets = 0
@@ -89,6 +107,9 @@ class HolderService:
 
     def bind(self) -> None:
         endpoint, ipv6 = zmq_endpoint(self.config.listen)
+        curve = self.config.curve
+        if curve is not None:
+            self._bind_zap()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, int(ipv6))
@@ -96,42 +117,79 @@ class HolderService:
         # libzmq drops (and disconnects) a peer whose message is far beyond any page, before
         # buffering it; pages merely over the limit arrive and are refused and counted here.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_page_bytes + wire.MAX_HEADER_BYTES)
+        if curve is not None:
+            curve.serve(sock)
+            self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
-            sock.close(0)
+            self._socket = sock
+            self.close()
             raise HolderBindError(
                 f'checkpoint.listen = "{self.config.listen}": cannot listen there ({exc}); '
                 "choose a free port or an address of this host"
             ) from exc
         self._socket = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("checkpoint holder on %s: %d workers, budget %d bytes each, eviction %s",
+        log.info("checkpoint holder on %s: %d workers, budget %d bytes each, eviction %s, %s",
                  self.endpoint, len(self.config.workers), self.config.budget_bytes,
-                 self.config.policy)
+                 self.config.policy, "CURVE (cluster keys)" if curve else "insecure")
+        if curve is None:
+            log.warning("checkpoint holder without CURVE keys: any peer that reaches %s can "
+                        "store and read KV pages, which travel in clear; set [checkpoint] "
+                        "keys outside tests", self.endpoint)
+
+    def _bind_zap(self) -> None:
+        zap = self._context.socket(zmq.REP)
+        zap.setsockopt(zmq.LINGER, 0)
+        try:
+            zap.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            zap.close(0)
+            raise HolderBindError(
+                f"cannot serve ZAP authentication ({exc}): another ZAP handler already runs "
+                "in this ZeroMQ context; give each secure holder a context of its own"
+            ) from exc
+        self._zap = zap
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then close the socket (pages are dropped with it)."""
         if self._socket is None:
             self.bind()
-        sweeper = asyncio.create_task(self._sweep(stop), name="checkpoint-orphans")
-        server = asyncio.create_task(self._serve(), name="checkpoint-serve")
+        tasks = [asyncio.create_task(self._sweep(stop), name="checkpoint-orphans"),
+                 asyncio.create_task(self._serve(), name="checkpoint-serve")]
+        if self._zap is not None:
+            tasks.append(asyncio.create_task(self._authenticate(self._zap),
+                                             name="checkpoint-zap"))
+        if self._monitor is not None:
+            tasks.append(asyncio.create_task(self._watch_handshakes(self._monitor),
+                                             name="checkpoint-handshakes"))
         try:
             await stop.wait()
         finally:
-            for task in (server, sweeper):
+            for task in tasks:
                 task.cancel()
-            for task in (server, sweeper):
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self.close()
 
     def close(self) -> None:
+        if self._monitor is not None and self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+        for sock in (self._monitor, self._zap):
+            if sock is not None:
+                sock.close(0)
+        self._monitor = self._zap = None
         if self._socket is not None:
             self._socket.close(0)
             self._socket = None
             held = sum(s.bytes_held for s in self.store.stats.values())
             log.info("checkpoint holder stopped; %d bytes of checkpoints dropped", held)
+        if self._own_context:
+            self._context.term()
+            self._own_context = False
 
     # -- stats ----------------------------------------------------------------------------
 
@@ -155,6 +213,35 @@ class HolderService:
                 reply = [wire.encode_header(wire.error_reply(0, "malformed", "internal error"))]
             with contextlib.suppress(zmq.Again):
                 await sock.send_multipart([parts[0], *reply], flags=zmq.NOBLOCK, copy=False)
+
+    async def _authenticate(self, zap: zmq.asyncio.Socket) -> None:
+        """ZAP (RFC 27): admit a CURVE peer only with the cluster's client public key."""
+        assert self.config.curve is not None
+        allowed = self.config.curve.client_public_raw
+        while True:
+            request = await zap.recv_multipart()
+            # version, request id, domain, address, identity, mechanism, credentials...
+            version, request_id, _, address, _, mechanism, key = [*request, *[b""] * 7][:7]
+            if version != b"1.0" or len(request) < 6:
+                status, text = b"500", b"malformed ZAP request"
+            elif mechanism == b"CURVE" and key == allowed:
+                status, text = b"200", b"OK"
+            else:
+                status, text = b"400", b"not the cluster's client key"
+                shown = (f"client key {z85_encode(key).decode()}" if len(key) == 32
+                         else f"mechanism {mechanism.decode(errors='replace')}")
+                self._bad("unauthenticated", f"peer {address.decode(errors='replace')} "
+                          f"presented {shown}, not the cluster's client key (check that its "
+                          "node has this cluster's [checkpoint] keys file)")
+            await zap.send_multipart([b"1.0", request_id, status, text, b"", b""])
+
+    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] & _HANDSHAKE_FAILED:
+                self._bad("unauthenticated", "a peer failed the CURVE handshake on "
+                          f"{event['endpoint'].decode(errors='replace')} (no CURVE, or not "
+                          "this cluster's server key: check its [checkpoint] keys file)")
 
     async def _sweep(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

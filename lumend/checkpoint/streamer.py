@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from lumend.checkpoint import wire
+from lumend.checkpoint.security import CurveKeys
 from lumend.checkpoint.wire import Header, WireError
 
 
@@ -59,6 +60,12 @@ class CheckpointProgress:
         """Every block sent so far is held (as far as the ACKs read so far say)."""
         return not self.dropped and not self.refused and self.reached == self.sent
 
+    @property
+    def intact(self) -> bool:
+        """No block dropped and none refused so far (ACKs still on their way are trusted):
+        what an engine's `lumen:ckpt_requests_complete` counts."""
+        return not self.dropped and not self.refused
+
 
 @dataclass
 class StreamerCounters:
@@ -77,9 +84,13 @@ class FetchedPage:
 
 class CheckpointStreamer:
     def __init__(self, endpoint: str, layout: PageLayout, *, sndhwm: int = 64,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None,
+                 curve: CurveKeys | None = None) -> None:
+        """`curve`: the cluster's keys (`client_keys_from_env()` in engines); without them
+        a secure holder refuses this streamer: every block is then dropped."""
         self.endpoint = endpoint
         self.layout = layout
+        self.curve = curve
         self._context = context or zmq.Context.instance()
         self._stream = self._socket(sndhwm, immediate=True)
         self._rpc: zmq.Socket[Any] | None = None
@@ -96,6 +107,8 @@ class CheckpointStreamer:
         sock.setsockopt(zmq.IMMEDIATE, int(immediate))
         if self.endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            self.curve.connect_as_client(sock)
         sock.connect(self.endpoint)
         return sock
 

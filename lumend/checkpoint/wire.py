@@ -38,9 +38,11 @@ Reason = Literal[
     "budget",          # the worker's budget is full: the checkpoint (or this page) is refused
     "evicted",         # the checkpoint was evicted or refused earlier; its pages are gone
     "missing",         # GET of a page the holder does not have
+    "unauthenticated",  # a peer without the cluster's CURVE keys (refused at the handshake)
 ]
 BAD_FRAME_REASONS: tuple[Reason, ...] = (
     "malformed", "version", "size_mismatch", "oversized", "fingerprint", "unknown_worker",
+    "unauthenticated",
 )
 
 DTYPE_SIZES: dict[str, int] = {
