@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lumen-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean proto
 
 $(STAMP): pyproject.toml scripts/system-deps.sh
 	./scripts/system-deps.sh
@@ -31,6 +31,10 @@ lint: $(STAMP)
 ## bench: coordinator takeover and heartbeat rate (prints tables; asserts nothing)
 bench: $(STAMP)
 	$(BIN)/python bench/takeover.py
+
+## proto: regenerate lumend/rpc's gRPC modules from lumend/rpc/lumen.proto (grpcio-tools)
+proto: $(STAMP)
+	$(BIN)/python -m lumend.rpc.codegen
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

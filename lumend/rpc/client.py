@@ -1,0 +1,131 @@
+"""Clients of the Coordinator and Agent services, returning the typed values of `messages`.
+
+A failed call raises `RpcFailure` with the gRPC status code's name and the server's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from lumend.rpc import lumen_pb2 as pb
+from lumend.rpc import lumen_pb2_grpc as stubs
+from lumend.rpc.messages import (
+    Admission,
+    CheckpointProgress,
+    NodeStatus,
+    RecoverAsk,
+    Recovery,
+)
+from lumend.rpc.tls import RpcTls, open_channel
+
+# Codes after which another coordinator (or a later try) may answer.
+RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN"})
+
+
+class RpcFailure(Exception):
+    def __init__(self, address: str, method: str, code: str, details: str) -> None:
+        self.address, self.method, self.code, self.details = address, method, code, details
+        super().__init__(f"{method} at {address}: {code}: {details}")
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE
+
+
+async def _call(address: str, method: str, fn: Any, request: Any, timeout_s: float) -> Any:
+    try:
+        return await fn(request, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise RpcFailure(address, method, exc.code().name, exc.details() or "") from None
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, tls: RpcTls | None = None) -> None:
+        self.address = address
+        self._channel = open_channel(address, tls)
+        self._stub = stubs.CoordinatorStub(self._channel)
+
+    async def admit(self, request_id: str, model: str | None, gateway: str,
+                    exclude: Sequence[str] = (), timeout_s: float = 1.0) -> Admission:
+        request = pb.AdmitRequest(request_id=request_id, model=model or "", gateway=gateway,
+                                  exclude=list(exclude))
+        reply = await _call(self.address, "Admit", self._stub.Admit, request, timeout_s)
+        return Admission.from_pb(reply)
+
+    async def recover(self, ask: RecoverAsk, timeout_s: float = 1.0) -> Recovery:
+        reply = await _call(self.address, "Recover", self._stub.Recover, ask.to_pb(), timeout_s)
+        return Recovery.from_pb(reply)
+
+    async def finish(self, request_id: str, timeout_s: float = 1.0) -> tuple[int, bool]:
+        """(epoch, whether the coordinator knew the request)."""
+        reply = await _call(self.address, "Finish", self._stub.Finish,
+                            pb.FinishRequest(request_id=request_id), timeout_s)
+        return reply.epoch, reply.known
+
+    def progress(self) -> ProgressStream:
+        return ProgressStream(self.address, self._stub.Progress())
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class ProgressStream:
+    """One client-streamed Progress call: write reports, then `close` for the reply."""
+
+    def __init__(self, address: str, call: Any) -> None:
+        self.address = address
+        self._call = call
+
+    async def send(self, report: CheckpointProgress) -> None:
+        try:
+            await self._call.write(report.to_pb())
+        except grpc.aio.AioRpcError as exc:
+            raise RpcFailure(self.address, "Progress", exc.code().name,
+                             exc.details() or "") from None
+        except grpc.aio.UsageError as exc:  # the call already ended (the server went away)
+            raise RpcFailure(self.address, "Progress", "UNAVAILABLE", str(exc)) from None
+
+    async def close(self) -> tuple[int, int, int]:
+        """(epoch, reports, unknown) as the coordinator counted them."""
+        try:
+            await self._call.done_writing()
+            reply = await self._call
+        except grpc.aio.AioRpcError as exc:
+            raise RpcFailure(self.address, "Progress", exc.code().name,
+                             exc.details() or "") from None
+        return reply.epoch, reply.reports, reply.unknown
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class AgentClient:
+    def __init__(self, address: str, tls: RpcTls | None = None) -> None:
+        self.address = address
+        self._channel = open_channel(address, tls)
+        self._stub = stubs.AgentStub(self._channel)
+
+    async def status(self, timeout_s: float = 2.0) -> NodeStatus:
+        reply = await _call(self.address, "Status", self._stub.Status, pb.StatusRequest(),
+                            timeout_s)
+        return NodeStatus.from_pb(reply)
+
+    async def failover(self, epoch: int, worker: str, timeout_s: float = 90.0
+                       ) -> tuple[str, float]:
+        """(the engine that took over, seconds it took)."""
+        reply = await _call(self.address, "Failover", self._stub.Failover,
+                            pb.FailoverRequest(epoch=epoch, worker=worker), timeout_s)
+        return reply.active, reply.seconds
+
+    async def drain(self, epoch: int, target: str, undo: bool = False,
+                    timeout_s: float = 2.0) -> tuple[list[str], int]:
+        """(the node's drained workers, requests still running on them)."""
+        reply = await _call(self.address, "Drain", self._stub.Drain,
+                            pb.DrainRequest(epoch=epoch, target=target, undo=undo), timeout_s)
+        return list(reply.drained), reply.in_flight
+
+    async def close(self) -> None:
+        await self._channel.close()
