@@ -18,6 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+import msgspec
 import typer
 from rich.console import Console, RenderableType
 
@@ -25,7 +26,7 @@ from lumenctl import sim_cmd
 from lumenctl.render import as_json, as_yaml, checkpoints_table, events_table, status_tables
 from lumenctl.report import checkpoints_document, events_document, status_document
 from lumend.cluster.keys import Keys
-from lumend.cluster.models import Event, Intent, encode_value
+from lumend.cluster.models import ClusterSettings, Event, Intent, decode_value, encode_value
 from lumend.cluster.store import Delete, EtcdStore, Put, StoreError, StoreUnavailable, TlsFiles
 from lumend.cluster.view import ClusterView, build_view
 
@@ -356,6 +357,96 @@ def keys_generate(
         _fail(EXIT_FAILED, f"cannot write {path} ({exc.strerror}); choose a writable path")
     typer.echo(f"wrote CURVE keys to {path} (mode 0600); copy it to every node, owned by "
                "the lumend user, and set [checkpoint] keys to its path")
+
+
+# -- config (cluster policy settings) ----------------------------------------------------
+
+config_app = typer.Typer(
+    help="Cluster-wide policy settings (etcd `config`): alpha, beta, theta, tau, mode. The "
+    "coordinator reads them every cycle, so a change applies to its next decisions.",
+    no_args_is_help=True,
+)
+app.add_typer(config_app, name="config")
+
+
+async def _read_settings(c: Context, store: EtcdStore) -> ClusterSettings:
+    from lumend.coordinator.settings import SettingError, check
+
+    kv = await store.get(c.keys.config)
+    if kv is None:
+        return ClusterSettings()
+    try:
+        return check(decode_value(kv.value, ClusterSettings))
+    except (msgspec.DecodeError, msgspec.ValidationError, SettingError) as exc:
+        typer.echo(f"lumenctl: the stored config is invalid ({exc}); the coordinator uses the "
+                   "defaults. `lumenctl config set` writes a valid one.", err=True)
+        return ClusterSettings()
+
+
+@config_app.command("show")
+def config_show(ctx: typer.Context) -> None:
+    """Every setting, its value, whether it is the default, and what it does."""
+    from lumend.coordinator.settings import as_rows
+
+    c: Context = ctx.obj
+    rows = as_rows(_run(c, lambda store: _read_settings(c, store)))
+    _emit(c, {"cluster": c.cluster, "settings": rows}, _settings_table)
+
+
+def _settings_table(doc: dict[str, Any]) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(title=f"cluster {doc['cluster']}: policy settings")
+    for column in ("key", "value", "", "meaning"):
+        table.add_column(column)
+    for row in doc["settings"]:
+        table.add_row(row["key"], f"{row['value']:g}" if isinstance(row["value"], float)
+                      else str(row["value"]), "(default)" if row["default"] else "",
+                      row["meaning"])
+    return table
+
+
+@config_app.command("get")
+def config_get(ctx: typer.Context, key: str = typer.Argument(..., help="A setting.")) -> None:
+    """Print one setting's value."""
+    from lumend.coordinator.settings import KEYS
+
+    c: Context = ctx.obj
+    if key not in KEYS:
+        _fail(EXIT_USAGE, f"unknown setting {key!r}; the settings are: {', '.join(KEYS)}")
+    value = getattr(_run(c, lambda store: _read_settings(c, store)), key)
+    if c.output is Output.table:
+        typer.echo(value)
+    else:
+        _emit(c, {"key": key, "value": value}, _settings_table)
+
+
+@config_app.command("set")
+def config_set(
+    ctx: typer.Context,
+    key: str = typer.Argument(..., help="alpha, beta, theta, tau or mode."),
+    value: str = typer.Argument(..., help="The new value."),
+) -> None:
+    """Change a setting; the coordinator applies it from its next decision on."""
+    from lumend.coordinator.settings import parse_setting
+
+    c: Context = ctx.obj
+
+    async def write(store: EtcdStore) -> tuple[object, object]:
+        current = await _read_settings(c, store)
+        updated = parse_setting(current, key, value)
+        now = time.time()
+        before, after = getattr(current, key), getattr(updated, key)
+        event = Event(at=now, kind="config_changed", source="lumenctl",
+                      message=f"{getpass.getuser()}@{socket.gethostname()} set {key} = "
+                      f"{after} (was {before})")
+        event_key = c.keys.event(int(now * 1000), "lumenctl", os.getpid() % 10000)
+        await store.txn([], [Put(c.keys.config, encode_value(updated)),
+                             Put(event_key, encode_value(event))])
+        return before, after
+
+    before, after = _run(c, write)  # a SettingError (a ValueError) exits 2 with its message
+    typer.echo(f"{key} = {after} (was {before}) in cluster {c.cluster!r}")
 
 
 # -- demo -------------------------------------------------------------------------------

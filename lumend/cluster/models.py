@@ -95,6 +95,21 @@ class Intent(msgspec.Struct, frozen=True, kw_only=True):
     migrate: bool = False
 
 
+PolicyMode = Literal["lumen", "fixed_checkpoint", "stop_and_restart"]
+
+
+class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Value of the `config` key: the policy tunables (DESIGN.md section 5), read by the
+    coordinator every cycle and set with `lumenctl config set`. Checked by
+    lumend.coordinator.settings; absent fields take these defaults."""
+
+    alpha: float = 1.0 / (1 << 30)  # L_hat weight of one checkpoint byte held
+    beta: float = 1.0  # L_hat weight of one queued request
+    theta: float = 48.0  # a holder above this L_hat is overloaded for resumption
+    tau: int = 64  # a checkpointed prefix longer than this many blocks resumes regardless
+    mode: PolicyMode = "lumen"
+
+
 class Event(msgspec.Struct, frozen=True, kw_only=True):
     at: float
     kind: str

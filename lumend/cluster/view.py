@@ -14,6 +14,7 @@ import msgspec
 
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import (
+    ClusterSettings,
     CoordinatorRecord,
     CoordinatorStatus,
     Event,
@@ -23,6 +24,8 @@ from lumend.cluster.models import (
     decode_value,
 )
 from lumend.cluster.store import KeyValue, Snapshot
+from lumend.coordinator.settings import SettingError
+from lumend.coordinator.settings import check as check_settings
 
 _T = TypeVar("_T")
 
@@ -54,6 +57,8 @@ class ClusterView:
     intents: list[Intent] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    # The `config` key; None when absent or invalid (then the defaults apply).
+    settings: ClusterSettings | None = None
 
     def intents_for(self, worker: WorkerRecord) -> list[Intent]:
         """Intents that name this worker or its node."""
@@ -71,6 +76,7 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
     problems: list[Problem] = []
     coordinator: Coordinator | None = None
     status: CoordinatorStatus | None = None
+    settings: ClusterSettings | None = None
 
     def decode(kv: KeyValue, kind: type[_T]) -> _T | None:
         try:
@@ -110,7 +116,13 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
         elif key == keys.coordinator_status:
             status = decode(kv, CoordinatorStatus)
         elif key == keys.config:
-            pass  # cluster tunables: read by the coordinator's policies (a later issue)
+            settings = decode(kv, ClusterSettings)
+            if settings is not None:
+                try:
+                    settings = check_settings(settings)
+                except SettingError as exc:
+                    problems.append(Problem(key, f"{exc}; the defaults apply until fixed"))
+                    settings = None
         else:
             problems.append(Problem(key, "unknown key under the LUMEN prefix"))
 
@@ -124,4 +136,5 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
         intents=intents,
         events=events,
         problems=problems,
+        settings=settings,
     )
