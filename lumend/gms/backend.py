@@ -1,7 +1,8 @@
 """GMS memory backends: where allocations live and how they are exported as fds.
 
 `host` keeps allocations in memfd pages (any Linux machine; the sim engine and CPU tests).
-`cuda` (cuMemCreate with POSIX-fd handles) is not written yet: see the engines issue.
+`cuda` keeps them in device memory (cuMemCreate, exported as POSIX file descriptors; see
+`cuda_vmm`); it needs cuda-python (`lumen[gpu]`) and an NVIDIA driver.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import errno
 import os
 from typing import Protocol
+
+from lumend.gms.cuda_vmm import CudaDevice, CudaOutOfMemory, HandleTable, close_quietly
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -55,14 +58,45 @@ class HostBackend:
         os.close(fd)
 
 
-def make_backend(name: str) -> Backend:
+class CudaBackend:
+    """Device memory of one GPU. The server only creates and exports allocations; it
+    never maps them (clients do), so it holds no CUDA context of its own."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = CudaDevice(device)  # raises CudaUnavailable with what to do
+        self.handles = HandleTable()
+
+    def granularity(self) -> int:
+        return self.device.granularity()
+
+    def allocate(self, size: int, tag: str) -> int:
+        try:
+            handle = self.device.create(size)
+        except CudaOutOfMemory as exc:
+            raise OutOfMemory(str(exc)) from exc
+        try:
+            fd = self.device.export_fd(handle)
+        except BaseException:
+            self.device.release(handle)
+            raise
+        self.handles.add(fd, handle, size)
+        return fd
+
+    def free(self, fd: int) -> None:
+        handle, _size = self.handles.pop(fd)
+        close_quietly(fd)
+        # Importers hold their own references: the memory goes when the last one unmaps.
+        self.device.release(handle)
+
+
+def make_backend(name: str, device: int = 0) -> Backend:
     if name == "host":
         return HostBackend()
     if name == "cuda":
-        raise NotImplementedError(
-            "the cuda GMS backend is not available in this build; use backend 'host'"
-        )
-    raise ValueError(f"unknown GMS backend {name!r}; use 'host'")
+        return CudaBackend(device)
+    raise ValueError(f"unknown GMS backend {name!r}; use 'host' or 'cuda'")
 
 
 def round_up(size: int, granularity: int) -> int:

@@ -10,7 +10,7 @@ import mmap
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lumend.gms.protocol import (
     PROTOCOL_VERSION,
@@ -28,6 +28,9 @@ from lumend.gms.protocol import (
     recv_frame,
     send_frame,
 )
+
+if TYPE_CHECKING:
+    from lumend.gms.cuda_vmm import CudaDevice, DeviceMapping
 
 
 class GmsError(Exception):
@@ -60,6 +63,7 @@ class GmsClient:
         self._next_id = 0
         self.role: str | None = None
         self.layout_hash: str | None = None
+        self.backend: str | None = None  # the server's memory: "host" or "cuda"
 
     def close(self) -> None:
         self._sock.close()
@@ -82,20 +86,28 @@ class GmsClient:
             self._sock.settimeout(None)
         self.role = str(reply["role"])
         self.layout_hash = reply.get("layout_hash")
+        self.backend = str(reply.get("backend", "host"))
         return self.role
 
     def allocate(self, tag: str, size: int) -> tuple[int, int]:
         reply = self._call(Allocate(id=self._id(), tag=tag, size=size))  # type: ignore[arg-type]
         return int(reply["allocation"]), int(reply["size"])
 
-    def map(self, allocation: int) -> MappedAllocation:
-        """Map an allocation: read-write for the writer, read-only for readers."""
+    def export(self, allocation: int) -> tuple[dict[str, Any], int]:
+        """The allocation's description and a file descriptor for it (the caller closes it)."""
         reply, fds = self._call_with_fds(Export(id=self._id(), allocation=allocation))
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             raise FrameError(f"export of allocation {allocation} came with {len(fds)} fds")
-        fd = fds[0]
+        return reply, fds[0]
+
+    def map(self, allocation: int) -> MappedAllocation:
+        """Map a host-backend allocation: read-write for the writer, read-only for readers."""
+        if self.backend == "cuda":
+            raise GmsError(f"GMS at {self.path} holds GPU memory (cuda backend): map it with "
+                           "map_device(), not map()")
+        reply, fd = self.export(allocation)
         try:
             writable = bool(reply["writable"])
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -103,6 +115,33 @@ class GmsClient:
         finally:
             os.close(fd)  # the mapping keeps the memory; the fd is not needed any more
         return MappedAllocation(allocation, int(reply["size"]), str(reply["tag"]), mem)
+
+    def map_device(self, allocation: int, device: CudaDevice) -> DeviceMapping:
+        """Map a cuda-backend allocation into `device`'s address space: read-write for the
+        writer, read-only for readers (cuMemSetAccess)."""
+        from lumend.gms.cuda_vmm import DeviceMapping
+
+        if self.backend != "cuda":
+            raise GmsError(f"GMS at {self.path} holds host memory ({self.backend} backend): "
+                           "map it with map(), not map_device()")
+        reply, fd = self.export(allocation)
+        try:
+            return DeviceMapping(device, allocation, int(reply["size"]), str(reply["tag"]),
+                                 fd, writable=bool(reply["writable"]))
+        finally:
+            os.close(fd)  # the imported handle keeps the memory
+
+    def remap_device(self, mapping: DeviceMapping) -> None:
+        """Map `mapping`'s allocation again at its reserved address (after an unmap)."""
+        reply, fd = self.export(mapping.allocation)
+        try:
+            if int(reply["size"]) != mapping.size:
+                raise LayoutMismatch(
+                    f"GMS allocation {mapping.allocation} is {reply['size']} bytes now, was "
+                    f"{mapping.size}: the layout changed while this engine slept")
+            mapping.remap(fd, writable=bool(reply["writable"]))
+        finally:
+            os.close(fd)
 
     def put_tensor(self, tensor: TensorMeta) -> None:
         self._call(PutTensor(id=self._id(), tensor=tensor))

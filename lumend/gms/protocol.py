@@ -26,12 +26,34 @@ class FrameError(Exception):
     """A frame that is not valid GMS protocol; the connection carrying it is closed."""
 
 
+TensorKind = Literal["param", "buffer", "attr"]
+
+
 class TensorMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a named tensor lives. `stride` (in elements) is None for a contiguous tensor;
+    `kind` says how a reader re-attaches it to its module (parameter, buffer, attribute)."""
+
     name: str
     allocation: int
     offset: int
     shape: list[int]
     dtype: str
+    stride: list[int] | None = None
+    kind: TensorKind = "param"
+
+
+def element_extent(shape: list[int], stride: list[int] | None) -> int:
+    """Elements spanned by a tensor from its first element (its storage footprint)."""
+    if any(d == 0 for d in shape):
+        return 0
+    if stride is None:
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+    if len(stride) != len(shape):
+        raise ValueError(f"stride {stride} does not match shape {shape}")
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", kw_only=True):

@@ -22,6 +22,7 @@ from typing import Any
 
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.gms.backend import Backend, OutOfMemory, make_backend, round_up
+from lumend.gms.cuda_vmm import CudaUnavailable
 from lumend.gms.protocol import (
     HEADER,
     MAX_FRAME,
@@ -37,6 +38,7 @@ from lumend.gms.protocol import (
     Stats,
     TensorMeta,
     decode_request,
+    element_extent,
     encode,
     layout_hash,
 )
@@ -46,7 +48,9 @@ log = logging.getLogger("lumend.gms")
 
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "bool": 1,
     "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "uint16": 2, "uint32": 4, "uint64": 8,
 }
 
 
@@ -247,11 +251,13 @@ class GmsServer:
         itemsize = DTYPE_SIZES.get(t.dtype)
         if itemsize is None:
             raise RequestError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
-        nbytes = itemsize
-        for dim in t.shape:
-            if dim < 0:
-                raise RequestError(f"tensor {t.name!r}: negative dimension in {t.shape}")
-            nbytes *= dim
+        if any(dim < 0 for dim in t.shape) or any(s < 0 for s in t.stride or []):
+            raise RequestError(f"tensor {t.name!r}: negative dimension or stride in "
+                               f"{t.shape} / {t.stride}")
+        try:
+            nbytes = itemsize * element_extent(t.shape, t.stride)
+        except ValueError as exc:
+            raise RequestError(f"tensor {t.name!r}: {exc}") from None
         if t.offset < 0 or t.offset + nbytes > alloc.size:
             raise RequestError(
                 f"tensor {t.name!r} ({nbytes} bytes at offset {t.offset}) does not fit in "
@@ -327,7 +333,7 @@ class GmsServer:
 
 def _tensor_dict(t: TensorMeta) -> dict[str, Any]:
     return {"name": t.name, "allocation": t.allocation, "offset": t.offset,
-            "shape": list(t.shape), "dtype": t.dtype}
+            "shape": list(t.shape), "dtype": t.dtype, "stride": t.stride, "kind": t.kind}
 
 
 async def _read_frame(conn: socket.socket) -> bytes:
@@ -365,8 +371,8 @@ async def _send(conn: socket.socket, reply: dict[str, Any], fds: list[int]) -> N
         await asyncio.get_running_loop().sock_sendall(conn, data[sent:])
 
 
-async def _main(args: argparse.Namespace) -> None:
-    server = GmsServer(Path(args.socket), make_backend(args.backend), args.alloc_timeout)
+async def _main(args: argparse.Namespace, backend: Backend) -> None:
+    server = GmsServer(Path(args.socket), backend, args.alloc_timeout)
     server.bind()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -383,13 +389,21 @@ def main() -> None:
     die_with_supervisor()
     parser = argparse.ArgumentParser(description="LUMEN GPU Memory Service server")
     parser.add_argument("--socket", required=True, help="unix socket path")
-    parser.add_argument("--backend", default="host", choices=["host", "cuda"])
-    parser.add_argument("--alloc-timeout", type=float, default=10.0)
+    parser.add_argument("--backend", default="host", choices=["host", "cuda"],
+                        help="host: memfd pages (any Linux); cuda: GPU memory (lumen[gpu])")
+    parser.add_argument("--device", type=int, default=0,
+                        help="CUDA device ordinal for the cuda backend (default 0)")
+    parser.add_argument("--alloc-timeout", type=float, default=10.0,
+                        help="seconds an allocation retries while the device is full")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_main(args))
+    try:
+        backend = make_backend(args.backend, args.device)
+    except CudaUnavailable as exc:
+        parser.exit(2, f"lumend gms-server: {exc}\n")
+    asyncio.run(_main(args, backend))
 
 
 if __name__ == "__main__":
