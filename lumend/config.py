@@ -182,6 +182,25 @@ class ListenSection(msgspec.Struct, frozen=True, kw_only=True):
         return parse_listen(self.listen)
 
 
+class RpcSection(msgspec.Struct, frozen=True, kw_only=True):
+    listen: str = _RPC_LISTEN
+    # mTLS for the gRPC control plane: all three, or none (plaintext).
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+    @property
+    def tls_files(self) -> tuple[str, str, str] | None:
+        """(ca, cert, key) when mTLS is configured."""
+        if self.ca and self.cert and self.key:
+            return self.ca, self.cert, self.key
+        return None
+
+
 class CheckpointSection(msgspec.Struct, frozen=True, kw_only=True):
     listen: str = _CHECKPOINT_LISTEN
     budget_bytes: int = _CHECKPOINT_BUDGET  # per worker on this node; 0 holds no checkpoints
@@ -214,7 +233,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     gateway: ListenSection = msgspec.field(
         default_factory=lambda: ListenSection(listen=_GATEWAY_LISTEN)
     )
-    rpc: ListenSection = msgspec.field(default_factory=lambda: ListenSection(listen=_RPC_LISTEN))
+    rpc: RpcSection = msgspec.field(default_factory=RpcSection)
     checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
     metrics: ListenSection = msgspec.field(
         default_factory=lambda: ListenSection(listen=_METRICS_LISTEN)
@@ -299,7 +318,7 @@ _CHECKPOINT_KEYS = ("listen", "budget_bytes", "eviction")
 _WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "args", "port")
 _SERVICES = {  # section -> (its keys, default listen address)
     "gateway": (("listen",), _GATEWAY_LISTEN),
-    "rpc": (("listen",), _RPC_LISTEN),
+    "rpc": (("listen", "ca", "cert", "key"), _RPC_LISTEN),
     "checkpoint": (_CHECKPOINT_KEYS, _CHECKPOINT_LISTEN),
     "metrics": (("listen",), _METRICS_LISTEN),
 }
@@ -529,6 +548,8 @@ def _validate(document: dict[str, Any], problems: list[ConfigProblem]) -> dict[s
         port = _check_listen(table, default_listen)
         if name == "checkpoint":
             _check_checkpoint(table)
+        if name == "rpc":
+            _check_rpc_tls(table)
         if port is not None:
             services.append((table, port))
         config[name] = table.values
@@ -676,6 +697,35 @@ def _check_checkpoint(table: _Table) -> None:
         table.values["budget_bytes"] = parse_size(value)
     except ValueError as exc:
         table.problem("budget_bytes", value, str(exc))
+
+
+_RPC_TLS_EXAMPLES = {
+    "ca": '"/etc/lumen/rpc-ca.pem"',
+    "cert": '"/etc/lumen/rpc-node.pem"',
+    "key": '"/etc/lumen/rpc-node-key.pem"',
+}
+
+
+def _check_rpc_tls(table: _Table) -> None:
+    """[rpc] ca, cert and key: all three readable files (mTLS), or none (plaintext)."""
+    given = []
+    for name, example in _RPC_TLS_EXAMPLES.items():
+        path = table.text(name, example)
+        if path is None:
+            continue
+        given.append(name)
+        if not os.path.isfile(path):
+            table.problem(name, path, "no such file; put the PEM file there or remove the "
+                          "key (without ca, cert and key the control plane is plaintext)")
+        elif not os.access(path, os.R_OK):
+            table.problem(name, path, "lumend cannot read this file; make it readable by "
+                          "the user lumend runs as (the key only by that user)")
+    if given and len(given) < len(_RPC_TLS_EXAMPLES):
+        for name, example in _RPC_TLS_EXAMPLES.items():
+            if name not in table.data:
+                table.problem(name, _ABSENT, f"mTLS needs ca, cert and key together: add "
+                              f"{name} = {example} to [rpc], or remove "
+                              f"{', '.join(given)} for plaintext")
 
 
 def _check_service_ports(services: list[tuple[_Table, int]]) -> None:
