@@ -102,7 +102,10 @@ class ClusterAgent:
         )
         self.election = Election(store, keys)
         self.fence = EpochFence()
-        self.epoch: int | None = None  # set while this node acts as coordinator
+        # Called with the new epoch on election and with None on stepping down, so the
+        # node starts and stops its Coordinator service with the role.
+        self.role_listeners: list[Callable[[int | None], None]] = []
+        self._epoch: int | None = None
         self.status = "starting"
         self.view: ClusterView | None = None
         self._started_at = wall_clock()
@@ -120,10 +123,9 @@ class ClusterAgent:
         self.step_downs = 0
         self.keepalive_failures = 0
         self.cycle_listeners: list[Callable[[CycleReport], None]] = []
-        # Woken by a watch on the coordinator key, so a resignation or an expired lease is
-        # acted on at once rather than at the next tick.
+        # Woken by watches (see _arm_watch) rather than waiting for the next tick.
         self._wake = asyncio.Event()
-        self._watch: WatchHandle | None = None
+        self._watches: dict[str, WatchHandle] = {}
         self._read_prefixes = [
             keys.nodes,
             keys.workers,
@@ -131,6 +133,19 @@ class ClusterAgent:
             keys.coordinator,  # also matches coordinator_status
             keys.config,
         ]
+
+    @property
+    def epoch(self) -> int | None:
+        """The coordinator epoch this node holds, None while it follows."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int | None) -> None:
+        if value == self._epoch:
+            return
+        self._epoch = value
+        for listener in self.role_listeners:
+            listener(value)
 
     @property
     def is_coordinator(self) -> bool:
@@ -171,22 +186,28 @@ class ClusterAgent:
                 self._cycle_done(CycleReport(self._mono() - started, outcome))
                 await _pause(delay, stop, self._wake)
         finally:
-            if self._watch is not None:
-                self._watch.cancel()
+            for watch in self._watches.values():
+                watch.cancel()
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
 
     async def _arm_watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._watch is not None and self._watch.alive:
-            return
-        def wake() -> None:  # runs on the watch's thread
-            with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
-                loop.call_soon_threadsafe(self._wake.set)
+        # The coordinator key (a resignation or an expired lease is acted on at once) and
+        # the policy settings (a `lumenctl config set` reaches the coordinator's next
+        # decision without waiting for the next tick).
+        for key in (self._keys.coordinator, self._keys.config):
+            watch = self._watches.get(key)
+            if watch is not None and watch.alive:
+                continue
 
-        try:
-            self._watch = await self._store.watch_key(self._keys.coordinator, wake)
-        except StoreError:
-            self._watch = None  # polling still works; try again next cycle
+            def wake() -> None:  # runs on the watch's thread
+                with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+                    loop.call_soon_threadsafe(self._wake.set)
+
+            try:
+                self._watches[key] = await self._store.watch_key(key, wake)
+            except StoreError:
+                self._watches.pop(key, None)  # polling still works; try again next cycle
 
     async def _keepalive_loop(self, stop: asyncio.Event) -> None:
         warned = False

@@ -71,14 +71,30 @@ class FailoverIntents:
         return done
 
     async def _switch(self, session: aiohttp.ClientSession, worker: str) -> None:
+        with contextlib.suppress(RuntimeError, aiohttp.ClientError, TimeoutError):
+            await self.failover(worker, "a failover intent", session)
+
+    async def failover(self, worker: str, requested_by: str,
+                       session: aiohttp.ClientSession | None = None) -> tuple[str, float]:
+        """Switch `worker` to a shadow and record the outcome as an event (removing a
+        failover intent for it, if any); returns (the engine now active, seconds). Used for
+        intents and for the Agent service's Failover command; raises on failure."""
         supervisor = self._supervisors[worker]
         try:
-            active, seconds = await supervisor.switchover(session)
+            if session is None:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                    active, seconds = await supervisor.switchover(s)
+            else:
+                active, seconds = await supervisor.switchover(session)
         except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
-            kind, message = EVENT_REFUSED, f"failover of {worker} not done: {exc}"
-        else:
-            kind = EVENT_DONE
-            message = f"failover of {worker}: {active} active {seconds:.3f} s after the request"
+            await self._record(worker, EVENT_REFUSED,
+                               f"failover of {worker} not done ({requested_by}): {exc}")
+            raise
+        await self._record(worker, EVENT_DONE, f"failover of {worker}: {active} active "
+                           f"{seconds:.3f} s after the request ({requested_by})")
+        return active, seconds
+
+    async def _record(self, worker: str, kind: str, message: str) -> None:
         log.info("%s", message)
         now = time.time()
         event = Event(at=now, kind=kind, source=self._node, message=message)

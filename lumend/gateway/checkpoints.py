@@ -1,8 +1,6 @@
-"""Checkpoint placement and recovery routing for the gateway's requests: the coordinator's
-policy functions (Algorithms 1 and 2), applied to this node's view of the cluster.
-
-Until the coordinator's `Admit`/`Recover` exist this is the gateway's local decision; the
-functions are the same ones the coordinator and the simulator call.
+"""Checkpoint placement and recovery routing for the gateway's requests when the coordinator
+cannot answer (degraded mode): the policy functions (Algorithms 1 and 2) the coordinator and
+the simulator call, applied to this node's view of the cluster with the cluster's settings.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from typing import Any
 from lumend.cluster.view import ClusterView
 from lumend.coordinator.policy import LoadSnapshot, PolicyConfig, WorkerLoad, place_checkpoint
 from lumend.coordinator.policy import recover as policy_recover
+from lumend.coordinator.settings import policy_config
 
 BLOCK_TOKENS = 16
 
@@ -49,7 +48,8 @@ def place(view: ClusterView, serving: str, ckpt_id: str,
     if serving not in names:
         return None
     # The size is not known up front; one byte asks for a holder with any budget at all.
-    index = place_checkpoint(snapshot, names.index(serving), 1.0, cfg or PolicyConfig())
+    index = place_checkpoint(snapshot, names.index(serving), 1.0,
+                             cfg or policy_config(view.settings))
     if index is None:
         return None
     holder = view.workers[names[index]]
@@ -64,5 +64,5 @@ def route(view: ClusterView, placement: Placement | None, broken: str, prefix_to
     holder = (names.index(placement.worker)
               if placement is not None and placement.worker in names else None)
     decision = policy_recover(snapshot, holder, prefix_tokens // BLOCK_TOKENS,
-                              cfg or PolicyConfig())
+                              cfg or policy_config(view.settings))
     return None if decision is None else (names[decision.worker], decision.resume)

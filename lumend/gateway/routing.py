@@ -1,8 +1,9 @@
 """Where the gateway sends a request: pure functions over the cluster view.
 
-Until the coordinator's `Admit` exists, every admission is local: the least-loaded serving
-worker as this node last read the cluster, counting the requests this gateway itself has
-in flight there since (the view's load is a heartbeat old).
+Admissions go through the coordinator (lumend/gateway/coordinator.py); when it cannot answer
+the admission is local: the least-loaded serving worker as this node last read the cluster,
+counting the requests this gateway itself has in flight there since (the view's load is a
+heartbeat old).
 """
 
 from __future__ import annotations

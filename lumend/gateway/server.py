@@ -4,7 +4,9 @@ It proxies a completion to a serving worker and remembers the text it has passed
 the upstream breaks (connection lost, engine gone, no token within the deadline) it resumes
 on a worker that serves (the same worker's shadow if it has taken over, else the least
 loaded other one), sending the prompt plus that text, so the client receives one stream:
-same `id`, no token twice, none missing.
+same `id`, no token twice, none missing. Where a request starts, where its checkpoint goes
+and where an interrupted one continues are the coordinator's decisions (Admit, Recover);
+when it cannot answer, this gateway decides locally and counts that as degraded.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from aiohttp import web
 from lumend.cluster.view import ClusterView
 from lumend.config import parse_listen
 from lumend.gateway.checkpoints import Placement, place, route
+from lumend.gateway.coordinator import CoordinatorLink
 from lumend.gateway.routing import Target, choose_worker, models
 from lumend.gateway.upstream import EngineRefused, StreamBroken, resume_body, stream_from
+from lumend.rpc.messages import CheckpointRef, RecoverAsk
+from lumend.rpc.messages import Target as RpcTarget
 
 log = logging.getLogger("lumend.gateway")
 
@@ -76,9 +81,13 @@ class Progress:
 
 class Gateway:
     def __init__(self, view: Callable[[], ClusterView | None],
-                 timing: GatewayTiming | None = None) -> None:
+                 timing: GatewayTiming | None = None,
+                 coordinator: CoordinatorLink | None = None) -> None:
         self._view = view
         self.timing = timing or GatewayTiming()
+        # Admission and recovery through the coordinator; None: always local (tests, and
+        # nodes without a control plane).
+        self.coordinator = coordinator
         self.counters = GatewayCounters()
         self.in_flight: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
@@ -117,6 +126,8 @@ class Gateway:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if self.coordinator is not None:
+            await self.coordinator.close()
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -159,26 +170,42 @@ class Gateway:
 
     # -- proxying with resume -------------------------------------------------------------
 
-    async def _pieces(self, body: dict[str, Any], chat: bool, progress: Progress,
+    async def _pieces(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
                       on_piece: Callable[[str, str | None], Any]) -> None:
         """Drive the request to its end, resuming after upstream failures."""
+        try:
+            await self._drive(rid, body, chat, progress, on_piece)
+        finally:
+            if self.coordinator is not None:
+                self.coordinator.finish(rid)
+
+    async def _drive(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
+                     on_piece: Callable[[str, str | None], Any]) -> None:
         assert self._session is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         max_tokens = int(body.get("max_tokens", 16))
+        model = body.get("model")
         give_up_at = time.monotonic() + self.timing.recover_within_s
         exclude: set[str] = set()
         broken_worker: str | None = None
         placement: Placement | None = None
-        resume_on: str | None = None  # where recovery routing sent the request, if anywhere
+        routed: Target | None = None  # where recovery routing sent the request, if anywhere
         while True:
-            target = self._route(body.get("model"), exclude,
-                                 prefer=resume_on or broken_worker)
+            target: Target | None
+            offered: Placement | None
+            if routed is not None:
+                target, offered = routed, None
+            else:
+                target, offered = await self._choose(rid, model, exclude, broken_worker,
+                                                     want_placement=placement is None)
             if target is None:
                 if time.monotonic() > give_up_at:
                     raise ApiError(503, "no worker could serve the request", "unavailable")
                 exclude.clear()  # every worker failed once; they may be back: try again
                 await asyncio.sleep(self.timing.retry_pause_s)
                 continue
+            if offered is not None and not progress.tokens:
+                placement = offered  # nothing generated yet: the request starts afresh
             if progress.tokens:
                 self.counters.resumes += 1
                 log.info("resuming a request on %s after %d tokens", target.worker,
@@ -186,14 +213,13 @@ class Gateway:
             progress.workers.append(target.worker)
             upstream = resume_body(body, chat, progress.text, max_tokens - progress.tokens)
             upstream.setdefault("model", target.model)
-            view = self._view()
-            if placement is None and not progress.workers[:-1] and view is not None:
-                placement = place(view, target.worker, uuid.uuid4().hex)
             if placement is not None:
-                resuming = resume_on == target.worker and placement.worker == target.worker
+                resuming = (routed is not None and routed.worker == target.worker
+                            and placement.worker == target.worker)
                 if resuming or not progress.tokens:
                     upstream["kv_transfer_params"] = placement.params(
                         "resume" if resuming else "save")
+            routed = None
             self.in_flight[target.worker] += 1
             try:
                 pieces = stream_from(self._session, target.urls, path, upstream)
@@ -208,43 +234,80 @@ class Gateway:
                 return
             except EngineRefused:
                 exclude.add(target.worker)
-                broken_worker = resume_on = None
+                broken_worker = None
             except StreamBroken as exc:
                 log.warning("stream from %s broke after %d tokens: %s", target.worker,
                             progress.tokens, exc)
                 broken_worker = target.worker  # its shadow may already serve
-                resume_on = None
-                view = self._view()
-                if placement is not None and view is not None:
-                    decision = route(view, placement, target.worker,
-                                     len(progress.text) + self._prompt_chars(body, chat))
-                    if decision is not None:
-                        resume_on = decision[0]
-                        self.counters.routed["resume" if decision[1] else "recompute"] += 1
-                    log.info("recovery routing: checkpoint on %s, %s", placement.worker,
-                             "no survivor" if decision is None else
-                             f"{'resume' if decision[1] else 'recompute'} on {decision[0]}")
+                prefix = len(progress.text) + self._prompt_chars(body, chat)
+                routed = await self._recovery(rid, model, placement, target.worker, prefix)
             finally:
                 self.in_flight[target.worker] -= 1
             if time.monotonic() > give_up_at:
                 raise ApiError(503, "the request could not be resumed in time", "unavailable")
             await asyncio.sleep(self.timing.retry_pause_s)
 
+    async def _choose(self, rid: str, model: str | None, exclude: set[str],
+                      prefer: str | None, want_placement: bool
+                      ) -> tuple[Target | None, Placement | None]:
+        """Where the request (re)starts and, from the coordinator or local policy, where its
+        checkpoint goes."""
+        view = self._view()
+        if view is None:
+            return None, None
+        if prefer is not None:  # first retry the same worker: a shadow may have taken over
+            worker = view.workers.get(prefer)
+            if worker is not None and worker.engines:
+                return Target.of(worker), None
+        if self.coordinator is not None:
+            admission = await self.coordinator.admit(rid, model, sorted(exclude))
+            if admission is not None:
+                if admission.target is None:
+                    return None, None
+                ckpt = admission.checkpoint
+                return (_target(admission.target),
+                        None if ckpt is None else Placement(ckpt.ckpt_id, ckpt.holder,
+                                                            ckpt.endpoint))
+            view = self._view() or view
+        target = choose_worker(view, model, self.in_flight, frozenset(exclude))
+        if target is None or not want_placement:
+            return target, None
+        return target, place(view, target.worker, uuid.uuid4().hex)
+
+    async def _recovery(self, rid: str, model: str | None, placement: Placement | None,
+                        broken: str, prefix: int) -> Target | None:
+        """Algorithm 2 for an interrupted request, from the coordinator (or, when it cannot
+        answer, locally): the worker to continue on, or None to retry the same worker."""
+        if self.coordinator is not None:
+            ask = RecoverAsk(rid, broken, prefix, model or "",
+                             None if placement is None else
+                             CheckpointRef(placement.ckpt_id, placement.worker,
+                                           placement.endpoint), self.coordinator.node)
+            recovery = await self.coordinator.recover(ask)
+            if recovery is not None:
+                log.info("recovery routing (coordinator epoch %d): %s", recovery.epoch,
+                         recovery.reason)
+                if recovery.target is None:
+                    return None
+                self.counters.routed["resume" if recovery.resume else "recompute"] += 1
+                return _target(recovery.target)
+        view = self._view()
+        if placement is None or view is None:
+            return None
+        decision = route(view, placement, broken, prefix)
+        log.info("recovery routing: checkpoint on %s, %s", placement.worker,
+                 "no survivor" if decision is None else
+                 f"{'resume' if decision[1] else 'recompute'} on {decision[0]}")
+        if decision is None or decision[0] not in view.workers:
+            return None
+        self.counters.routed["resume" if decision[1] else "recompute"] += 1
+        return Target.of(view.workers[decision[0]])
+
     @staticmethod
     def _prompt_chars(body: dict[str, Any], chat: bool) -> int:
         if chat:
             return sum(len(m["content"]) for m in body["messages"])
         return len(body["prompt"])
-
-    def _route(self, model: str | None, exclude: set[str], prefer: str | None) -> Target | None:
-        view = self._view()
-        if view is None:
-            return None
-        if prefer is not None:  # first retry the same worker: a shadow may have taken over
-            worker = view.workers.get(prefer)
-            if worker is not None and worker.engines:
-                return Target.of(worker)
-        return choose_worker(view, model, self.in_flight, frozenset(exclude))
 
     async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool,
                       rid: str) -> web.StreamResponse:
@@ -266,7 +329,7 @@ class Gateway:
 
         try:
             try:
-                await self._pieces(body, chat, progress, send)
+                await self._pieces(rid, body, chat, progress, send)
             except ApiError as exc:
                 self.counters.requests["failed"] += 1
                 error = {"error": {"message": str(exc), "type": exc.kind, "code": exc.status}}
@@ -286,7 +349,7 @@ class Gateway:
             return None
 
         try:
-            await self._pieces(body, chat, progress, collect)
+            await self._pieces(rid, body, chat, progress, collect)
         except ApiError as exc:
             self.counters.requests["failed"] += 1
             return exc.response()
@@ -313,6 +376,10 @@ async def _json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the body exceeds {MAX_BODY_BYTES} bytes",
                        "invalid_request_error") from None
+
+
+def _target(target: RpcTarget) -> Target:
+    return Target(target.worker, target.model, target.urls)
 
 
 def _validate(body: Any, chat: bool) -> dict[str, Any]:

@@ -1,0 +1,236 @@
+"""The coordinator's decisions, served over gRPC by the node that holds the coordinator key.
+
+State, and where it comes from:
+* per-worker load and checkpoint bytes: the etcd view (heartbeats, read every HA cycle);
+* requests admitted here and not finished (`Admit`/`Finish`/`Recover`): exact and fresh,
+  but only for requests this coordinator admitted;
+* checkpoint bytes per checkpoint and holder: streamed by every node's holder (`Progress`);
+  a holder resends everything it holds when it connects to a new coordinator.
+A worker's queue and checkpoint bytes are the larger of the heartbeat's and the count kept
+here: the heartbeat also sees requests that bypassed the coordinator (a degraded gateway),
+the count here sees admissions since the last heartbeat. So a newly elected coordinator
+rebuilds from etcd and the holders alone; a gateway that outlives a coordinator brings its
+request's placement along in `Recover`.
+
+Policy settings come from the view (etcd `config`), so a `lumenctl config set` applies from
+the next cycle. Decisions are the pure functions of lumend.coordinator.policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lumend.cluster.models import WorkerRecord
+from lumend.cluster.view import ClusterView
+from lumend.coordinator.policy import (
+    LoadSnapshot,
+    PolicyConfig,
+    WorkerLoad,
+    least_loaded,
+    load_hat,
+    place_checkpoint,
+)
+from lumend.coordinator.policy import recover as policy_recover
+from lumend.coordinator.settings import policy_config
+from lumend.rpc.messages import (
+    Admission,
+    CheckpointProgress,
+    CheckpointRef,
+    RecoverAsk,
+    Recovery,
+    Target,
+)
+
+log = logging.getLogger("lumend.coordinator")
+
+BLOCK_TOKENS = 16
+
+
+class NotReady(Exception):
+    """The coordinator has not read the cluster yet."""
+
+
+@dataclass
+class Admitted:
+    worker: str
+    checkpoint: CheckpointRef | None
+    gateway: str
+
+
+@dataclass
+class Held:
+    holder: str
+    bytes: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class _Table:
+    """One decision's inputs: workers in name order and the load snapshot over them."""
+
+    workers: list[WorkerRecord]
+    snapshot: LoadSnapshot
+    cfg: PolicyConfig
+
+    def index(self, name: str | None) -> int | None:
+        for i, w in enumerate(self.workers):
+            if w.name == name:
+                return i
+        return None
+
+    def load(self, i: int) -> float:
+        return load_hat(self.snapshot, i, self.cfg)
+
+
+def eligible(view: ClusterView, worker: WorkerRecord) -> bool:
+    """Serving, registered, with engines, and not drained."""
+    return (worker.state == "serving" and worker.node in view.nodes and bool(worker.engines)
+            and not any(i.kind == "drain" for i in view.intents_for(worker)))
+
+
+def target_of(worker: WorkerRecord) -> Target:
+    active = [e.url for e in worker.engines if e.role == "active"]
+    others = [e.url for e in worker.engines if e.role != "active"]
+    return Target(worker.name, worker.node, worker.model, (*active, *others))
+
+
+class CoordinatorService:
+    def __init__(self, node: str, epoch: int, view: Callable[[], ClusterView | None]) -> None:
+        self.node = node
+        self.epoch = epoch
+        self._view = view
+        self.requests: dict[str, Admitted] = {}
+        self.held: dict[str, Held] = {}  # ckpt id -> what its holder reported
+        self.decisions: Counter[str] = Counter()  # admit, no_worker, resume, recompute, ...
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def _table(self, view: ClusterView, alive: Callable[[WorkerRecord], bool],
+               extra_queue: str | None = None) -> _Table:
+        workers = sorted(view.workers.values(), key=lambda w: w.name)
+        in_flight = Counter(r.worker for r in self.requests.values())
+        held: Counter[str] = Counter()
+        for h in self.held.values():
+            held[h.holder] += h.bytes
+        rows = []
+        for w in workers:
+            queue = max(w.load.running + w.load.waiting, in_flight[w.name])
+            rows.append(WorkerLoad(
+                name=w.name, node=w.node,
+                ckpt_bytes=float(max(w.checkpoints.bytes_held, held[w.name])),
+                queue=queue + (w.name == extra_queue),
+                budget_bytes=float(w.checkpoints.budget_bytes), alive=alive(w)))
+        return _Table(workers, LoadSnapshot.from_workers(rows), policy_config(view.settings))
+
+    def _read(self) -> ClusterView:
+        view = self._view()
+        if view is None:
+            raise NotReady("the coordinator has not read the cluster yet; retry")
+        return view
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def admit(self, request_id: str, model: str | None, gateway: str,
+              exclude: Sequence[str] = ()) -> Admission:
+        view = self._read()
+        skip = set(exclude)
+
+        def serves(w: WorkerRecord) -> bool:
+            return eligible(view, w) and w.name not in skip and model in (None, "", w.model)
+
+        table = self._table(view, serves)
+        mode = table.cfg.mode.value
+        index = least_loaded(table.snapshot, table.cfg)
+        if index is None:
+            self.decisions["no_worker"] += 1
+            what = f"model {model!r}" if model else "any model"
+            return Admission(self.epoch, None, None,
+                             f"no serving worker for {what} ({len(skip)} excluded)", mode)
+        worker = table.workers[index]
+        reason = f"admitted to {worker.name} (L_hat {table.load(index):.3g}, the lowest)"
+        holders = self._table(view, lambda w: eligible(view, w), extra_queue=worker.name)
+        # The size is not known up front; one byte asks for a holder with any budget at all.
+        h = place_checkpoint(holders.snapshot, index, 1.0, holders.cfg)
+        ckpt = None
+        if h is not None:
+            holder = holders.workers[h]
+            ckpt = CheckpointRef(uuid.uuid4().hex, holder.name,
+                                 "tcp://" + view.nodes[holder.node].checkpoint)
+            reason += f"; checkpoint on {holder.name} (L_hat {holders.load(h):.3g})"
+        else:
+            reason += "; no checkpoint" + (" (policy stop_and_restart)"
+                                            if not table.cfg.checkpoints else
+                                            " (no holder has budget)")
+        self.requests[request_id] = Admitted(worker.name, ckpt, gateway)
+        self.decisions["admit"] += 1
+        return Admission(self.epoch, target_of(worker), ckpt, reason, mode)
+
+    def finish(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def recover(self, ask: RecoverAsk) -> Recovery:
+        view = self._read()
+        failed = view.workers.get(ask.failed_worker)
+        model = failed.model if failed is not None else ask.model
+
+        def survives(w: WorkerRecord) -> bool:
+            return (eligible(view, w) and w.name != ask.failed_worker
+                    and model in ("", w.model))
+
+        # The request leaves the failed worker's queue before the decision.
+        known = self.requests.get(ask.request_id)
+        checkpoint = ask.checkpoint or (known.checkpoint if known else None)
+        if known is not None:
+            known.worker = ""
+        table = self._table(view, survives)
+        mode = table.cfg.mode.value
+        holder = table.index(checkpoint.holder) if checkpoint is not None else None
+        blocks = self._checkpointed_blocks(checkpoint, ask.prefix_tokens)
+        route = policy_recover(table.snapshot, holder, blocks, table.cfg)
+        if route is None:
+            self.decisions["no_survivor"] += 1
+            return Recovery(self.epoch, None, False,
+                            f"no survivor serves model {model!r}", mode)
+        worker = table.workers[route.worker]
+        kind = "resume" if route.resume else "recompute"
+        self.decisions[kind] += 1
+        self.requests[ask.request_id] = Admitted(worker.name, checkpoint, ask.gateway)
+        if checkpoint is None:
+            why = "no checkpoint"
+        elif holder is None:
+            why = f"holder {checkpoint.holder} is not serving"
+        else:
+            why = (f"holder {checkpoint.holder} L_hat {table.load(holder):.3g} "
+                   f"(theta {table.cfg.theta:g}), prefix {blocks} blocks (tau {table.cfg.tau})")
+        reason = f"{kind} on {worker.name} after {ask.failed_worker} failed: {why}"
+        log.info("recovery of %s: %s", ask.request_id, reason)
+        return Recovery(self.epoch, target_of(worker), route.resume, reason, mode)
+
+    def _checkpointed_blocks(self, checkpoint: CheckpointRef | None, prefix_tokens: int) -> int:
+        """|C_r| in blocks: what the holder reported holding, else the gateway's prefix."""
+        if checkpoint is None:
+            return 0
+        held = self.held.get(checkpoint.ckpt_id)
+        tokens = prefix_tokens if held is None else min(prefix_tokens, held.tokens)
+        return tokens // BLOCK_TOKENS
+
+    def progress(self, report: CheckpointProgress) -> bool:
+        """Record one holder report; returns whether this coordinator placed that checkpoint."""
+        if report.bytes == 0:
+            self.held.pop(report.ckpt_id, None)
+        else:
+            self.held[report.ckpt_id] = Held(report.holder, report.bytes, report.tokens)
+        return any(r.checkpoint is not None and r.checkpoint.ckpt_id == report.ckpt_id
+                   for r in self.requests.values())
+
+    def loads(self) -> dict[str, float]:
+        """L_hat of every live worker as the next decision would see it (inf: not serving)."""
+        view = self._read()
+        table = self._table(view, lambda w: eligible(view, w))
+        return {w.name: table.load(i) if table.snapshot.alive[i] else math.inf
+                for i, w in enumerate(table.workers)}

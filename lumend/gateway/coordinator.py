@@ -1,0 +1,167 @@
+"""The gateway's line to the coordinator: Admit, Recover and Finish with short deadlines.
+
+The coordinator is whoever the `coordinator` key names in this node's latest view. When it
+cannot answer (no coordinator, unreachable, too slow) the gateway decides locally with the
+same policy functions over its own view; each such decision is counted as degraded and the
+change of mode is logged. A recovery is worth waiting for a little: when the coordinator
+dies the key names its successor within a lease TTL, and Recover is retried against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lumend.cluster.view import ClusterView
+from lumend.rpc.client import CoordinatorClient, RpcFailure
+from lumend.rpc.messages import Admission, RecoverAsk, Recovery
+from lumend.rpc.tls import RpcTls
+
+log = logging.getLogger("lumend.gateway")
+
+Term = tuple[str, int]  # (rpc address, epoch) of a coordinator
+
+
+@dataclass(frozen=True)
+class LinkTiming:
+    admit_deadline_s: float = 0.5
+    recover_deadline_s: float = 1.0
+    # How long an interrupted request waits for a coordinator (the same or a newly elected
+    # one) to answer Recover before the gateway routes it locally; about one lease TTL.
+    coordinator_wait_s: float = 12.0
+    # After a failed call, admissions go local without trying that coordinator for this long.
+    down_for_s: float = 1.0
+    retry_pause_s: float = 0.1
+
+
+class CoordinatorLink:
+    def __init__(self, node: str, view: Callable[[], ClusterView | None],
+                 tls: RpcTls | None = None, timing: LinkTiming | None = None) -> None:
+        self.node = node
+        self._view = view
+        self._tls = tls
+        self.timing = timing or LinkTiming()
+        self.degraded: Counter[str] = Counter()  # local decisions, by call: admit, recover
+        self.answered: Counter[str] = Counter()  # decisions the coordinator made
+        self.coordinator_changes = 0  # recoveries answered by a coordinator elected meanwhile
+        self.highest_epoch = 0
+        self._clients: dict[str, CoordinatorClient] = {}
+        self._down_until: dict[Term, float] = {}
+        self._degraded_why: str | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _term(self) -> Term | None:
+        view = self._view()
+        if view is None or view.coordinator is None:
+            return None
+        return view.coordinator.record.rpc, view.coordinator.epoch
+
+    def _client(self, address: str) -> CoordinatorClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = CoordinatorClient(address, self._tls)
+        return client
+
+    def _check_epoch(self, term: Term, epoch: int) -> None:
+        if epoch < self.highest_epoch:
+            raise RpcFailure(term[0], "reply", "FAILED_PRECONDITION",
+                             f"reply from deposed coordinator epoch {epoch} (epoch "
+                             f"{self.highest_epoch} seen)")
+        self.highest_epoch = epoch
+
+    def _answered(self, call: str, term: Term) -> None:
+        self.answered[call] += 1
+        if self._degraded_why is not None:
+            log.info("coordinator at %s (epoch %d) answers again; back to coordinated "
+                     "decisions (%d degraded so far)", term[0], term[1],
+                     sum(self.degraded.values()))
+            self._degraded_why = None
+
+    def _degrade(self, call: str, why: str) -> None:
+        self.degraded[call] += 1
+        if self._degraded_why is None:
+            log.warning("coordinator unavailable (%s): %s decided locally from this node's "
+                        "view; degraded until it answers", why, call)
+        self._degraded_why = why
+
+    def _failed(self, term: Term, exc: RpcFailure) -> None:
+        self._down_until[term] = time.monotonic() + self.timing.down_for_s
+
+    # -- calls ----------------------------------------------------------------------------
+
+    async def admit(self, request_id: str, model: str | None,
+                    exclude: Sequence[str]) -> Admission | None:
+        """The coordinator's admission, or None: decide locally (counted as degraded)."""
+        term = self._term()
+        if term is None:
+            self._degrade("admit", "no coordinator elected")
+            return None
+        if self._down_until.get(term, 0.0) > time.monotonic():
+            self._degrade("admit", f"coordinator at {term[0]} did not answer recently")
+            return None
+        try:
+            admission = await self._client(term[0]).admit(
+                request_id, model, self.node, exclude, self.timing.admit_deadline_s)
+            self._check_epoch(term, admission.epoch)
+        except RpcFailure as exc:
+            self._failed(term, exc)
+            self._degrade("admit", str(exc))
+            return None
+        self._answered("admit", term)
+        return admission
+
+    async def recover(self, ask: RecoverAsk) -> Recovery | None:
+        """The coordinator's routing for an interrupted request, retried against whichever
+        coordinator the view names for up to `coordinator_wait_s`; None: route locally."""
+        deadline = time.monotonic() + self.timing.coordinator_wait_s
+        first: Term | None = None
+        last = "no coordinator elected"
+        while True:
+            term = self._term()
+            if term is not None:
+                first = first or term
+                try:
+                    recovery = await self._client(term[0]).recover(
+                        ask, self.timing.recover_deadline_s)
+                    self._check_epoch(term, recovery.epoch)
+                except RpcFailure as exc:
+                    self._failed(term, exc)
+                    last = str(exc)
+                else:
+                    if term != first:
+                        self.coordinator_changes += 1
+                        log.info("Recover of %s answered by the new coordinator at %s (epoch "
+                                 "%d) after %s (epoch %d) failed", ask.request_id, term[0],
+                                 term[1], first[0], first[1])
+                    self._answered("recover", term)
+                    return recovery
+            if time.monotonic() >= deadline:
+                self._degrade("recover", last)
+                return None
+            await asyncio.sleep(self.timing.retry_pause_s)
+
+    def finish(self, request_id: str) -> None:
+        """Tell the coordinator a request ended (in the background; best effort)."""
+        term = self._term()
+        if term is None or self._down_until.get(term, 0.0) > time.monotonic():
+            return
+
+        async def send() -> None:
+            with contextlib.suppress(RpcFailure):
+                await self._client(term[0]).finish(request_id, self.timing.admit_deadline_s)
+
+        task = asyncio.create_task(send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()

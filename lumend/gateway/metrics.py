@@ -1,0 +1,34 @@
+"""Prometheus metrics of the gateway's line to the coordinator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from lumend.gateway.coordinator import CoordinatorLink
+
+CALLS = ("admit", "recover")
+
+
+class CoordinatorLinkCollector(Collector):
+    def __init__(self, link: CoordinatorLink) -> None:
+        self._link = link
+
+    def collect(self) -> Iterator[Metric]:
+        degraded = CounterMetricFamily(
+            "lumen_gateway_degraded", "Decisions this gateway made locally because the "
+            "coordinator could not answer, by call (admit, recover).", labels=["call"])
+        answered = CounterMetricFamily(
+            "lumen_gateway_coordinated", "Decisions the coordinator made for this gateway, "
+            "by call (admit, recover).", labels=["call"])
+        for call in CALLS:
+            degraded.add_metric([call], self._link.degraded.get(call, 0))
+            answered.add_metric([call], self._link.answered.get(call, 0))
+        yield degraded
+        yield answered
+        yield CounterMetricFamily(
+            "lumen_gateway_recover_coordinator_changes", "Recoveries answered by a "
+            "coordinator elected while the request waited.",
+            value=self._link.coordinator_changes)

@@ -1,0 +1,123 @@
+"""The Agent service every lumend serves: Status, Failover and Drain for this node's workers.
+
+Commands (Failover, Drain) come from a coordinator and carry its epoch. The node's
+`EpochFence` (fed from every etcd snapshot by the HA loop) refuses an epoch lower than the
+highest seen: the sender is a deposed coordinator. Refusals are counted and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from lumend.cluster.fencing import EpochFence, StaleEpochError
+from lumend.cluster.models import WorkerRecord
+from lumend.rpc import lumen_pb2 as pb
+from lumend.rpc.messages import EngineStatus, NodeStatus, WorkerStatus
+
+log = logging.getLogger("lumend.rpc")
+
+
+class CommandRefused(Exception):
+    def __init__(self, code: Any, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class AgentService:
+    def __init__(self, node: str, fence: EpochFence,
+                 workers: Callable[[], Sequence[WorkerRecord]],
+                 status: Callable[[], str],
+                 failover: Callable[[str, str], Awaitable[tuple[str, float]]]) -> None:
+        self.node = node
+        self.fence = fence
+        self._workers = workers
+        self._status = status
+        self._failover = failover
+        self.drained: set[str] = set()
+        self.stale_refused = 0
+        self.commands: dict[str, int] = {"failover": 0, "drain": 0}
+
+    def admit_epoch(self, command: str, epoch: int) -> None:
+        """Raise CommandRefused unless `epoch` is a live coordinator's (fencing)."""
+        if epoch <= 0:
+            raise CommandRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{command} needs the epoch of the coordinator that sends it "
+                                 "(epoch > 0)")
+        try:
+            self.fence.check(epoch)
+        except StaleEpochError as exc:
+            self.stale_refused += 1
+            log.warning("%s on %s: %s", command, self.node, exc)
+            raise CommandRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
+    def status(self) -> NodeStatus:
+        workers = tuple(
+            WorkerStatus(w.name, w.state, w.model, w.name in self.drained, w.load.running,
+                         w.load.waiting,
+                         tuple(EngineStatus(e.id, e.role, e.state, e.url, e.pid or 0)
+                               for e in w.engines))
+            for w in self._workers())
+        return NodeStatus(self.node, self.fence.highest, self._status(), workers,
+                          self.stale_refused)
+
+    async def failover(self, epoch: int, worker: str) -> tuple[str, float]:
+        self.admit_epoch("Failover", epoch)
+        if worker not in {w.name for w in self._workers()}:
+            raise CommandRefused(grpc.StatusCode.NOT_FOUND,
+                                 f"no worker {worker!r} on node {self.node}")
+        self.commands["failover"] += 1
+        try:
+            return await self._failover(worker, f"coordinator epoch {epoch}")
+        except (RuntimeError, TimeoutError) as exc:
+            raise CommandRefused(grpc.StatusCode.ABORTED,
+                                 f"failover of {worker} not done: {exc}") from None
+
+    def drain(self, epoch: int, target: str, undo: bool) -> tuple[list[str], int]:
+        self.admit_epoch("Drain", epoch)
+        workers = {w.name: w for w in self._workers()}
+        if target == self.node:
+            names = set(workers)
+        elif target in workers:
+            names = {target}
+        else:
+            raise CommandRefused(grpc.StatusCode.NOT_FOUND,
+                                 f"{target!r} is neither node {self.node} nor one of its "
+                                 f"workers ({', '.join(sorted(workers)) or 'none'})")
+        self.commands["drain"] += 1
+        if undo:
+            self.drained -= names
+        else:
+            self.drained |= names
+        log.info("%s %s (coordinator epoch %d)", "undrained" if undo else "drained",
+                 ", ".join(sorted(names)), epoch)
+        in_flight = sum(workers[n].load.running + workers[n].load.waiting
+                        for n in self.drained if n in workers)
+        return sorted(self.drained), in_flight
+
+
+class AgentServicer:
+    """gRPC glue: lumen.v1.Agent onto AgentService."""
+
+    def __init__(self, service: AgentService) -> None:
+        self.service = service
+
+    async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusReply:
+        return self.service.status().to_pb()
+
+    async def Failover(self, request: pb.FailoverRequest, context: Any) -> pb.FailoverReply:
+        try:
+            active, seconds = await self.service.failover(request.epoch, request.worker)
+        except CommandRefused as exc:
+            await context.abort(exc.code, str(exc))
+        return pb.FailoverReply(epoch=request.epoch, active=active, seconds=seconds)
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainReply:
+        try:
+            drained, in_flight = self.service.drain(request.epoch, request.target, request.undo)
+        except CommandRefused as exc:
+            await context.abort(exc.code, str(exc))
+        return pb.DrainReply(epoch=request.epoch, drained=drained, in_flight=in_flight)

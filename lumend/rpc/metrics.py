@@ -1,0 +1,40 @@
+"""Prometheus metrics of the node's gRPC services."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from lumend.coordinator.service import CoordinatorService
+from lumend.rpc.agent_service import AgentService
+
+
+class RpcCollector(Collector):
+    def __init__(self, agent: AgentService,
+                 coordinator: Callable[[], CoordinatorService | None]) -> None:
+        self._agent = agent
+        self._coordinator = coordinator
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "lumen_agent_stale_epoch_refused", "Commands refused because they carried the "
+            "epoch of a deposed coordinator.", value=self._agent.stale_refused)
+        commands = CounterMetricFamily("lumen_agent_commands", "Coordinator commands this "
+                                       "node carried out, by command.", labels=["command"])
+        for command, n in sorted(self._agent.commands.items()):
+            commands.add_metric([command], n)
+        yield commands
+        service = self._coordinator()
+        decisions = CounterMetricFamily(
+            "lumen_coordinator_decisions", "Decisions of this node's coordinator term, by "
+            "kind (admit, no_worker, resume, recompute, no_survivor).", labels=["kind"])
+        requests = GaugeMetricFamily("lumen_coordinator_requests", "Requests admitted by "
+                                     "this node's coordinator and not finished.")
+        if service is not None:
+            for kind, n in sorted(service.decisions.items()):
+                decisions.add_metric([kind], n)
+            requests.add_metric([], len(service.requests))
+        yield decisions
+        yield requests

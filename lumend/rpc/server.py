@@ -1,0 +1,125 @@
+"""The node's gRPC server on `[rpc] listen`: the Agent service always, the Coordinator
+service answering only while this node holds the coordinator key.
+
+Both services share one port, the one published in the node record and, while coordinator,
+in the `coordinator` key; so the coordinator is found by reading that key. A node that is
+not (or no longer) coordinator answers UNAVAILABLE naming the coordinator it follows, so a
+gateway retries against the right one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from lumend.config import parse_listen
+from lumend.coordinator.service import CoordinatorService, NotReady
+from lumend.rpc import lumen_pb2 as pb
+from lumend.rpc import lumen_pb2_grpc as stubs
+from lumend.rpc.agent_service import AgentService, AgentServicer
+from lumend.rpc.messages import CheckpointProgress, RecoverAsk
+from lumend.rpc.tls import RpcTls
+
+log = logging.getLogger("lumend.rpc")
+
+
+class RpcBindError(Exception):
+    """The rpc listen address cannot be bound; the message names the key and the fix."""
+
+
+class CoordinatorServicer:
+    """gRPC glue: lumen.v1.Coordinator onto the node's CoordinatorService, if it has one."""
+
+    def __init__(self, current: Callable[[], CoordinatorService | None],
+                 following: Callable[[], str]) -> None:
+        self._current = current
+        self._following = following
+
+    async def _service(self, context: Any) -> CoordinatorService:
+        service = self._current()
+        if service is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"not the coordinator: {self._following()}")
+        assert service is not None
+        return service
+
+    async def Admit(self, request: pb.AdmitRequest, context: Any) -> pb.AdmitReply:
+        service = await self._service(context)
+        try:
+            admission = service.admit(request.request_id, request.model, request.gateway,
+                                      list(request.exclude))
+        except NotReady as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return admission.to_pb()
+
+    async def Finish(self, request: pb.FinishRequest, context: Any) -> pb.FinishReply:
+        service = await self._service(context)
+        return pb.FinishReply(epoch=service.epoch, known=service.finish(request.request_id))
+
+    async def Recover(self, request: pb.RecoverRequest, context: Any) -> pb.RecoverReply:
+        service = await self._service(context)
+        if not request.request_id or not request.failed_worker:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "Recover needs request_id and failed_worker")
+        try:
+            recovery = service.recover(RecoverAsk.from_pb(request))
+        except NotReady as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return recovery.to_pb()
+
+    async def Progress(self, requests: Any, context: Any) -> pb.ProgressReply:
+        service = await self._service(context)
+        reports = unknown = 0
+        async for report in requests:
+            if self._current() is not service:  # stepped down mid-stream: send them on
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"no longer the coordinator: {self._following()}")
+            if not report.ckpt_id or not report.holder:
+                unknown += 1
+                continue
+            reports += 1
+            if not service.progress(CheckpointProgress.from_pb(report)):
+                unknown += 1
+        return pb.ProgressReply(epoch=service.epoch, reports=reports, unknown=unknown)
+
+
+class RpcServer:
+    def __init__(self, agent: AgentService, coordinator: CoordinatorServicer,
+                 tls: RpcTls | None = None) -> None:
+        self.agent = agent
+        self._coordinator = coordinator
+        self._tls = tls
+        self._server: Any = None
+        self.port = 0
+
+    async def start(self, listen: str) -> None:
+        host, port = parse_listen(listen)
+        server = grpc.aio.server()
+        stubs.add_AgentServicer_to_server(AgentServicer(self.agent), server)
+        stubs.add_CoordinatorServicer_to_server(self._coordinator, server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            if self._tls is None:
+                bound = server.add_insecure_port(address)
+            else:
+                bound = server.add_secure_port(address, self._tls.server_credentials())
+        except RuntimeError as exc:
+            bound, error = 0, str(exc)
+        else:
+            error = "the address is in use or not on this host"
+        if not bound:
+            raise RpcBindError(f'rpc.listen = "{listen}": cannot listen there ({error}); '
+                               "choose a free port or an address of this host")
+        await server.start()
+        self._server = server
+        self.port = bound
+        log.info("gRPC (Agent, Coordinator) on %s, %s", address,
+                 "mTLS" if self._tls else "plaintext")
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
