@@ -206,12 +206,14 @@ def _attach(modules: dict[str, nn.Module], name: str, kind: TensorKind,
         object.__setattr__(owner, leaf, obj)
 
 
-def materialize(module: nn.Module, tensors: list[TensorMeta], base_for: BaseFor) -> int:
+def materialize(module: nn.Module, tensors: list[TensorMeta], base_for: BaseFor, *,
+                require_complete: bool = True) -> int:
     """Attach the GMS tensors to `module` (typically built on the meta device), in place.
 
     Names that resolve to the same bytes become one object (tied weights stay tied).
     Raises WeightsMismatch when a tensor's shape or dtype differs from the module's, or
-    when the module still has tensors GMS did not provide. Returns bytes attached.
+    (with `require_complete`) when the module still has tensors GMS did not provide.
+    Returns bytes attached.
     """
     modules = dict(module.named_modules(remove_duplicate=False))
     expected = {name: t for e in collect(module) for name, _ in e.names for t in [e.tensor]}
@@ -242,7 +244,7 @@ def materialize(module: nn.Module, tensors: list[TensorMeta], base_for: BaseFor)
                 if not hasattr(obj, key_attr):
                     setattr(obj, key_attr, value)
         _attach(modules, meta.name, meta.kind, obj)
-    missing = missing_tensors(module)
+    missing = missing_tensors(module) if require_complete else []
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
                                           if len(missing) > 5 else "")
