@@ -15,6 +15,10 @@ ties go to the lowest index, so every decision is deterministic.
   checkpointed prefix is longer than tau blocks, else recompute on the least-loaded
   survivor (Eq. 6).
 * Algorithm 3 `choose_assist_target`: argmax L_hat over live workers.
+* Replicated checkpoints (`place_checkpoint_replicas`, `choose_replica`): Algorithm 1 once per
+  replica, each on a node holding neither the server nor an earlier replica when one fits.
+* `least_loaded_in` / `choose_holder_in` take L_hat values the caller keeps (the simulator
+  updates them per change instead of recomputing every worker at each admission).
 * Baselines: stop-and-restart (no checkpoints; recompute on the least-loaded survivor) and
   fixed checkpointing (DejaVu: a static neighbour holds the checkpoints and interrupted
   requests always go to it).
@@ -151,20 +155,78 @@ def least_loaded(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
     return _argmin(loads(snapshot, cfg))
 
 
+def least_loaded_in(values: list[float]) -> int | None:
+    """`least_loaded` from L_hat values the caller keeps up to date (+inf for dead workers),
+    as `loads` returns them: the simulator's per-admission fast path."""
+    return _argmin(values)
+
+
 def choose_holder(
     snapshot: LoadSnapshot, serving: int, kv_bytes: float, cfg: PolicyConfig
 ) -> int | None:
     """Algorithm 1: the checkpoint holder for a request served by `serving`."""
+    return choose_holder_in(loads(snapshot, cfg), snapshot, serving, kv_bytes)
+
+
+def choose_holder_in(
+    values: list[float], snapshot: LoadSnapshot, serving: int, kv_bytes: float,
+    exclude: Sequence[int] = (),
+) -> int | None:
+    """Algorithm 1 from L_hat values as `loads` returns them (+inf for dead workers).
+
+    `exclude` are workers that may not hold it (a replica's other holders); workers on a node
+    of neither `serving` nor `exclude` are preferred, then any other node than `serving`'s,
+    then the rest.
+    """
+    nodes = tuple(snapshot.nodes)
+    ckpt, budget = snapshot.ckpt_bytes, snapshot.budget_bytes
+    if not exclude:
+        # Fast path: the least loaded worker on another node, if its budget fits. min() over
+        # ascending indices returns the lowest index among ties, as _argmin does.
+        away = _other_node_indices(nodes, serving)
+        if away:
+            best = min(away, key=values.__getitem__)
+            if values[best] != math.inf and ckpt[best] + kv_bytes <= budget[best]:
+                return best
     inf = math.inf
-    values = [
-        v if h + kv_bytes <= b else inf
-        for v, h, b in zip(loads(snapshot, cfg), snapshot.ckpt_bytes, snapshot.budget_bytes,
-                           strict=True)
-    ]
-    values[serving] = inf
-    away = _other_node_mask(tuple(snapshot.nodes), serving)
-    choice = _argmin([v if m else inf for v, m in zip(values, away, strict=True)])
-    return choice if choice is not None else _argmin(values)
+    fits = [v if h + kv_bytes <= b else inf
+            for v, h, b in zip(values, ckpt, budget, strict=True)]
+    fits[serving] = inf
+    for i in exclude:
+        fits[i] = inf
+    homes = {nodes[serving], *(nodes[i] for i in exclude)}
+    tiers = [[v if nodes[i] not in homes else inf for i, v in enumerate(fits)]]
+    if exclude:
+        away_mask = _other_node_mask(nodes, serving)
+        tiers.append([v if m else inf for v, m in zip(fits, away_mask, strict=True)])
+    tiers.append(fits)
+    for tier in tiers:
+        choice = _argmin(tier)
+        if choice is not None:
+            return choice
+    return None
+
+
+def choose_holders(
+    snapshot: LoadSnapshot, serving: int, kv_bytes: float, cfg: PolicyConfig, replicas: int
+) -> list[int]:
+    """Algorithm 1 applied `replicas` times: each replica on the least-loaded worker that
+    fits, preferring nodes that hold neither the server nor an earlier replica, so one host
+    failing with the server leaves a copy. Fewer holders when budgets run out."""
+    values = loads(snapshot, cfg)
+    chosen: list[int] = []
+    for _ in range(replicas):
+        h = choose_holder_in(values, snapshot, serving, kv_bytes, exclude=chosen)
+        if h is None:
+            break
+        chosen.append(h)
+    return chosen
+
+
+@functools.lru_cache(maxsize=1024)
+def _other_node_indices(nodes: tuple[str, ...], serving: int) -> tuple[int, ...]:
+    home = nodes[serving]
+    return tuple(i for i, node in enumerate(nodes) if node != home)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -268,3 +330,44 @@ def recover(
 
 def assist_target(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
     return choose_assist_target(snapshot, cfg) if cfg.uses_assist else None
+
+
+# -- replicated checkpoints ------------------------------------------------------------------
+
+
+def place_checkpoint_replicas(
+    snapshot: LoadSnapshot, serving: int, kv_bytes: float, cfg: PolicyConfig, replicas: int
+) -> list[int]:
+    """Holders of a checkpoint kept on `replicas` workers (1: as `place_checkpoint`).
+
+    Load-aware placement applies Algorithm 1 once per replica (`choose_holders`); fixed
+    checkpointing chains static neighbours (the neighbour, then its neighbour)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if cfg.mode is Mode.stop_and_restart:
+        return []
+    if cfg.mode is Mode.lumen and cfg.load_aware_placement:
+        return choose_holders(snapshot, serving, kv_bytes, cfg, replicas)
+    out: list[int] = []
+    neighbours = _neighbours(tuple(snapshot.nodes))
+    at: int | None = serving
+    for _ in range(replicas):
+        at = neighbours[at] if at is not None else None
+        if at is None or at == serving or at in out:
+            break
+        if snapshot.alive[at] and snapshot.ckpt_bytes[at] + kv_bytes <= snapshot.budget_bytes[at]:
+            out.append(at)
+    return out
+
+
+def choose_replica(snapshot: LoadSnapshot, holders: Sequence[int], cfg: PolicyConfig) -> int | None:
+    """The live holder an interrupted request with several checkpoint replicas is routed
+    against (then `recover`): the least loaded, ties to the first listed."""
+    best: int | None = None
+    best_load = math.inf
+    for h in holders:
+        if snapshot.alive[h]:
+            value = load_hat(snapshot, h, cfg)
+            if best is None or value < best_load:
+                best, best_load = h, value
+    return best

@@ -10,11 +10,21 @@ from lumend.coordinator.policy import GIB, Mode, PolicyConfig
 
 class FaultKind(StrEnum):
     none = "none"
-    worker = "worker"          # one worker (index 0) fails
-    fraction = "fraction"      # a seeded random fraction of the workers fail at once
-    node = "node"              # every worker of node 0 fails
-    correlated = "correlated"  # worker 0 and the worker holding most of its checkpoints
+    worker = "worker"          # the engine of one worker (index 0) crashes
+    fraction = "fraction"      # the engines of a seeded random fraction of the workers crash
+    node = "node"              # node 0 is lost: its workers, their host memory, its shadows
+    correlated = "correlated"  # worker 0 and the worker holding most of its checkpoints are
+    #                            lost with their host memory (e.g. a shared power domain)
     gray = "gray"              # worker 0 keeps running, slowed down by a factor
+
+    @property
+    def host_lost(self) -> bool:
+        """The failed workers' hosts are gone (checkpoints they hold, shadows); otherwise only
+        the engines crashed and lumend's holder memory survives."""
+        return self in (FaultKind.node, FaultKind.correlated)
+
+
+EVICTIONS = ("lru", "shortest_prefix", "longest_prefix_protected", "refuse")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,18 @@ class SimConfig:
     draft_init_s: float = 5.0
     node_boot_s: float = 0.0                # extra delay before a failed node's workers load
     spec_tokens: int = 4                    # draft length k
+    # Failure detection (product defaults). An engine crash closes its sockets: the gateway
+    # sees its streams break at once and the supervisor's tick (SupervisorTiming.tick_s)
+    # sees the exit. A lost host is noticed when its etcd lease expires (lease_ttl_s); until
+    # then it is still admitted to and placed on.
+    crash_detect_s: float = 0.1
+    host_detect_s: float = 10.0
+    # Shadow engines: an initialised standby takes a crashed engine's place (Dynamo measured
+    # kill -> serving ~0.5 s). Not for a lost host: its shadows die with it.
+    shadows: bool = False
+    shadow_takeover_s: float = 0.5
+    replicas: int = 1                       # checkpoint copies per request (2: dual replica)
+    eviction: str = "lru"                   # holder full: lumend's [checkpoint] eviction
     spec_acceptance: float = 0.6            # per-token acceptance a
     assist_rtt_s: float = 0.001             # per verify step, drafts fetched over the network
     # Measurement.
@@ -73,6 +95,14 @@ class SimConfig:
         for name in ("link_bytes_per_s", "restore_bytes_per_s", "disk_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        for name in ("crash_detect_s", "host_detect_s", "shadow_takeover_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
+        if self.replicas not in (1, 2):
+            raise ValueError(f"replicas must be 1 or 2, got {self.replicas}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"unknown eviction policy {self.eviction!r}; known: "
+                             f"{', '.join(EVICTIONS)}")
 
     def with_policy(self, policy: PolicyConfig) -> SimConfig:
         return replace(self, policy=policy)
@@ -84,6 +114,17 @@ class SimConfig:
 # -- named policies -------------------------------------------------------------------------
 
 MAIN_POLICIES = ("stop_and_restart", "fixed_checkpoint", "lumen")
+# Beyond the paper: shadow engines (alone, as Dynamo does, and with LUMEN) and dual-replica
+# checkpoints.
+EXTENDED_POLICIES = (*MAIN_POLICIES, "shadow_only", "lumen_shadow", "lumen_dual",
+                     "lumen_shadow_dual")
+# name -> (base policy, shadows, replicas)
+VARIANTS = {
+    "shadow_only": ("stop_and_restart", True, 1),
+    "lumen_shadow": ("lumen", True, 1),
+    "lumen_dual": ("lumen", False, 2),
+    "lumen_shadow_dual": ("lumen", True, 2),
+}
 # Ablation: each LUMEN mechanism on top of fixed checkpointing, alone and in pairs.
 MECHANISMS = {"placement": "load_aware_placement", "routing": "adaptive_routing",
               "assist": "draft_assist"}
@@ -94,11 +135,22 @@ ABLATION_POLICIES = (
 
 
 def policy_names() -> list[str]:
-    return [*MAIN_POLICIES, *ABLATION_POLICIES[1:-1]]
+    return [*MAIN_POLICIES, *ABLATION_POLICIES[1:-1], *VARIANTS]
+
+
+def apply_policy(cfg: SimConfig, name: str) -> SimConfig:
+    """`cfg` set up for a named policy: the policy functions' config, plus the cluster
+    features a variant adds (shadow engines, checkpoint replicas)."""
+    base, shadows, replicas = VARIANTS.get(name, (name, cfg.shadows, cfg.replicas))
+    return replace(cfg, policy=named_policy(base, cfg.policy), shadows=shadows,
+                   replicas=replicas)
 
 
 def named_policy(name: str, base: PolicyConfig) -> PolicyConfig:
-    """`base` (theta, tau, alpha, beta) with the mode and mechanisms a policy name means."""
+    """`base` (theta, tau, alpha, beta) with the mode and mechanisms a policy name means
+    (a variant's base policy: shadows and replicas are SimConfig's, see `apply_policy`)."""
+    if name in VARIANTS:
+        name = VARIANTS[name][0]
     if name == "stop_and_restart":
         return replace(base, mode=Mode.stop_and_restart)
     if name == "fixed_checkpoint":
@@ -112,16 +164,18 @@ def named_policy(name: str, base: PolicyConfig) -> PolicyConfig:
             switches = {flag: key in parts for key, flag in MECHANISMS.items()}
             return replace(base, mode=Mode.lumen, **switches)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}, "
-                     "all, ablation")
+                     "all, ablation, extended")
 
 
 def expand_policies(spec: str) -> list[str]:
-    """`all` -> the three main policies, `ablation` -> the mechanism ablation, or a
-    comma-separated list of names."""
+    """`all` -> the three main policies, `ablation` -> the mechanism ablation, `extended` ->
+    the main ones and the shadow/replica variants, or a comma-separated list of names."""
     if spec == "all":
         return list(MAIN_POLICIES)
     if spec == "ablation":
         return list(ABLATION_POLICIES)
+    if spec == "extended":
+        return list(EXTENDED_POLICIES)
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for n in names:
         named_policy(n, PolicyConfig())

@@ -12,10 +12,20 @@ completion (the step times form an arithmetic series, since only the context ter
 arrival or other change truncates the run to the end of the step in progress. A running
 request stores the step at which it completes, so advancing a run touches no request.
 
-Checkpoints are modelled per serving worker as a byte backlog drained at the link bandwidth:
-what is still in the backlog when the worker fails is lost (split evenly across its
-requests), and only whole blocks count. Placement and routing call
-lumend/coordinator/policy.py, exactly as the coordinator does.
+Checkpoints: each serving worker's stream is a byte backlog drained at its link bandwidth
+(egress), and each holder's incoming stream another one (ingress, shared by every worker that
+streams to it; fed by prefill and re-streamed context, the bulk of the bytes). What either
+backlog still holds when the server fails is lost, and only whole blocks count. Restores
+from one holder share its bandwidth (processor sharing). A full holder evicts by lumend's
+eviction policy. Placement and routing call lumend/coordinator/policy.py, exactly as the
+coordinator does; the L_hat column is kept up to date per change (`_touch`) so admission and
+Algorithm 1 do not recompute every worker.
+
+Faults: the failed engines stop at the fault; the cluster notices after a detection delay
+(engine crash: the supervisor's tick; lost host: the etcd lease TTL). Until then the failed
+workers still look alive: requests admitted to them wait, checkpoints placed on them are
+lost with a lost host. At detection interrupted requests are routed (Algorithm 2), and the
+worker comes back from a shadow engine (crash, shadows on) or after reloading its model.
 """
 
 from __future__ import annotations
@@ -24,15 +34,18 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from lumend.checkpoint.store import PROTECTED_SHARE
 from lumend.coordinator import policy
 from lumend.engine.costmodel import CostModel, load_cost_model
 from lumend.sim.config import FaultKind, SimConfig
+from lumend.sim.links import Backlog, SharedLink
 from lumend.sim.workload import Workload
 
 IDLE, STEP, RUN = 0, 1, 2
-EV_STEP, EV_FAULT, EV_RESTORE, EV_DRAFT, EV_RELOAD, EV_SAMPLE, EV_GRAY_END = range(7)
+(EV_STEP, EV_FAULT, EV_RESTORE, EV_DRAFT, EV_RELOAD, EV_SAMPLE, EV_GRAY_END,
+ EV_DETECT) = range(8)
 
 
 class SimError(RuntimeError):
@@ -42,6 +55,7 @@ class SimError(RuntimeError):
 class Req:
     __slots__ = (
         "arrival",
+        "ckpt_by",
         "ckpt_tokens",
         "completions",
         "ctx",
@@ -53,7 +67,8 @@ class Req:
         "gen_join",
         "generated",
         "hold_bytes",
-        "holder",
+        "hold_t",
+        "holders",
         "interrupted_at",
         "join_step",
         "output",
@@ -72,8 +87,9 @@ class Req:
         self.prompt = prompt
         self.output = output
         self.worker = -1
-        self.holder = -1
-        self.hold_bytes = 0.0
+        self.holders: list[int] = []  # workers holding a replica of its checkpoint
+        self.hold_bytes = 0.0        # charged to each holder
+        self.hold_t = 0.0            # when the checkpoint was (re)placed: its age for lru
         self.todo = prompt           # tokens still to prefill where it is placed
         self.ctx = 0.0               # tokens resident in KV (while not decoding)
         self.generated = 0           # tokens delivered to the client (while not decoding)
@@ -84,11 +100,12 @@ class Req:
         self.first_token = -1.0
         self.finish = -1.0
         self.completions = 0
-        self.epoch = 0               # bumps on every move, to drop stale restore events
+        self.epoch = 0               # bumps on every move, to drop stale restores
         self.interrupted_at = -1.0   # fault time, if its stream was interrupted
         self.replay_first = -1.0     # first token after the interruption
         self.resumed = False         # resumed from a checkpoint (vs recomputed)
-        self.ckpt_tokens = 0         # checkpointed tokens usable at the fault
+        self.ckpt_by: list[tuple[int, int]] = []  # (holder, usable tokens) at the fault
+        self.ckpt_tokens = 0         # the best of those
         self.resident_at_fault = 0.0
 
 
@@ -104,16 +121,21 @@ class Worker:
         "gain",
         "held",
         "idx",
+        "ingress",
         "kv_cap",
         "kv_used",
+        "lost",
         "node",
+        "peak_held",
         "pending_rate",
         "queue",
+        "restores",
         "restoring",
         "run_base",
         "run_inc",
         "run_n",
         "running",
+        "rversion",
         "speed",
         "state",
         "steps",
@@ -121,11 +143,12 @@ class Worker:
         "version",
     )
 
-    def __init__(self, idx: int, node: str, kv_cap: float) -> None:
+    def __init__(self, idx: int, node: str, kv_cap: float, link_bytes_per_s: float,
+                 restore_bytes_per_s: float) -> None:
         self.idx = idx
         self.node = node
         self.kv_cap = kv_cap
-        self.alive = True
+        self.alive = True                # the engine runs (the snapshot learns at detection)
         self.speed = 1.0
         self.gain = 1.0                  # tokens per sequence per decode step (assist: > 1)
         self.pending_rate: tuple[float, float] | None = None  # speed, gain at the next step
@@ -134,7 +157,12 @@ class Worker:
         self.queue: deque[Req] = deque()  # not fully prefilled, FCFS
         self.running: list[tuple[int, int, Req]] = []  # heap of (end_step, rid, req)
         self.restoring: set[Req] = set()
+        self.restores: SharedLink[tuple[Req, int]] = SharedLink(restore_bytes_per_s)
+        self.rversion = 0
         self.held: set[Req] = set()      # requests whose checkpoint this worker holds
+        self.ingress: Backlog[Req] = Backlog(link_bytes_per_s)
+        self.peak_held = 0.0
+        self.lost: list[Req] = []        # its requests when its engine failed, until detected
         self.steps = 0
         self.ctx_sum = 0.0
         self.kv_used = 0.0
@@ -179,6 +207,9 @@ class FaultRecord:
     failed: list[int]
     slowed: list[int]
     holder_balance: float | None  # max / mean checkpoint bytes over live holders at the fault
+    host_lost: bool = False
+    detected_at: float | None = None
+    back_at: float | None = None  # when the failed workers serve again (shadow or reload)
 
 
 @dataclass(slots=True)
@@ -190,6 +221,9 @@ class SimResult:
     end_time: float
     preemptions: int
     assists: list[tuple[int, int]]  # (recovering worker, survivor it drafted for)
+    evictions: int = 0              # checkpoint replicas evicted from full holders
+    refused: int = 0                # placements that found no holder (every budget full)
+    peak_held: list[float] = field(default_factory=list)  # per worker, bytes
 
 
 class Simulation:
@@ -207,15 +241,22 @@ class Simulation:
             raise SimError(f"a request of {biggest} tokens does not fit in a worker's KV cache "
                            f"({int(kv_cap)} tokens)")
         per_node = self.cost.gpu.workers_per_node
-        self.workers = [Worker(i, f"node-{i // per_node}", kv_cap) for i in range(cfg.workers)]
-        # Live columns of the load snapshot the policy functions read.
-        self.col_queue = [0] * cfg.workers
-        self.col_held = [0.0] * cfg.workers
-        self.col_alive = [True] * cfg.workers
+        n = cfg.workers
+        self.workers = [Worker(i, f"node-{i // per_node}", kv_cap, cfg.link_bytes_per_s,
+                               cfg.restore_bytes_per_s) for i in range(n)]
+        # Live columns of the load snapshot the policy functions read, and L_hat per worker
+        # (+inf when dead) kept current by _touch.
+        self.col_queue = [0] * n
+        self.col_held = [0.0] * n
+        self.col_alive = [True] * n
+        self.col_load = [0.0] * n
+        nodes = tuple(w.node for w in self.workers)
         self.snapshot = policy.LoadSnapshot(
-            nodes=[w.node for w in self.workers], ckpt_bytes=self.col_held, queue=self.col_queue,
-            budget_bytes=[cfg.budget_bytes] * cfg.workers, alive=self.col_alive,
+            nodes=nodes, ckpt_bytes=self.col_held, queue=self.col_queue,
+            budget_bytes=[cfg.budget_bytes] * n, alive=self.col_alive,
         )
+        # Where a full holder would evict: the same choice without budgets.
+        self.unbudgeted = replace(self.snapshot, budget_bytes=[math.inf] * n)
         self.requests = [Req(i, t, p, o) for i, (t, p, o) in enumerate(
             zip(workload.arrivals, workload.prompts, workload.outputs, strict=True))]
         self.heap: list[tuple[float, int, int, object, int]] = []
@@ -226,7 +267,14 @@ class Simulation:
         self.samples: list[Sample] = []
         self.fault: FaultRecord | None = None
         self.checkpointing = cfg.policy.checkpoints
+        self.replicas = cfg.replicas if self.checkpointing else 0
+        # Algorithm 1 from the kept L_hat column: what place_checkpoint dispatches to here.
+        self.fast_holder = (cfg.policy.mode is policy.Mode.lumen
+                            and cfg.policy.load_aware_placement and cfg.replicas == 1)
+        self.stream_kvb = self.kvb * max(1, self.replicas)  # bytes per token on the wire
         self.preemptions = 0
+        self.evictions = 0
+        self.refused = 0
         self.assists: list[tuple[int, int]] = []
         self.ck_bw = cfg.link_bytes_per_s
 
@@ -245,23 +293,25 @@ class Simulation:
         n, i = len(reqs), 0
         now = 0.0
         pop = heapq.heappop
+        step_end, admit = self._step_end, self._admit
         while True:
             next_arrival = reqs[i].arrival if i < n else math.inf
             if heap and heap[0][0] <= next_arrival:
                 now, _, kind, obj, tag = pop(heap)
                 self.events += 1
                 if kind == EV_STEP:
-                    w = obj
-                    assert isinstance(w, Worker)
-                    if tag == w.version:
-                        self._step_end(w, now)
+                    if tag == obj.version:  # type: ignore[attr-defined]
+                        step_end(obj, now)  # type: ignore[arg-type]
                 elif kind == EV_SAMPLE:
                     self._sample(now, i < n)
                 elif kind == EV_RESTORE:
-                    assert isinstance(obj, Req)
-                    self._restore_done(obj, tag, now)
+                    assert isinstance(obj, Worker)
+                    self._restores_done(obj, tag, now)
                 elif kind == EV_FAULT:
                     self._fault(now)
+                elif kind == EV_DETECT:
+                    assert isinstance(obj, list)
+                    self._detect(obj, now)
                 elif kind == EV_DRAFT:
                     assert isinstance(obj, Worker)
                     self._draft_ready(obj, tag, now)
@@ -274,72 +324,157 @@ class Simulation:
             elif i < n:
                 now = next_arrival
                 self.events += 1
-                self._admit(reqs[i], now)
+                admit(reqs[i], now)
                 i += 1
             else:
                 break
         if self.unfinished:
             raise SimError(f"{self.unfinished} requests never finished (simulator bug)")
         return SimResult(self.requests, self.samples, self.fault, self.events, now,
-                         self.preemptions, self.assists)
+                         self.preemptions, self.assists, self.evictions, self.refused,
+                         [w.peak_held for w in self.workers])
 
     # -- admission and completion -----------------------------------------------------------
 
+    def _touch(self, i: int) -> None:
+        """Worker i's queue, checkpoint bytes or liveness changed: refresh its L_hat."""
+        self.col_load[i] = (policy.load_hat(self.snapshot, i, self.pcfg) if self.col_alive[i]
+                            else math.inf)
+
     def _admit(self, r: Req, now: float) -> None:
-        target = policy.least_loaded(self.snapshot, self.pcfg)
+        target = policy.least_loaded_in(self.col_load)
         if target is None:
             self.orphans.append(r)
             return
         self._place(r, target, now)
 
     def _place(self, r: Req, target: int, now: float) -> None:
-        """Put `r` at the back of `target`'s queue and give it a checkpoint holder."""
+        """Put `r` at the back of `target`'s queue and give it checkpoint holders."""
         w = self.workers[target]
         r.worker = target
         self.col_queue[target] += 1
+        self._touch(target)
         if self.checkpointing:
-            self._set_holder(r, target, float(r.prompt + r.generated))
+            self._set_holders(r, target, float(r.prompt + r.generated), now, stream=False)
         w.queue.append(r)
         self._poke(w, now)
-
-    def _set_holder(self, r: Req, serving: int, tokens: float) -> None:
-        self._drop_holder(r)
-        nbytes = tokens * self.kvb
-        h = policy.place_checkpoint(self.snapshot, serving, nbytes, self.pcfg)
-        if h is not None:
-            r.holder = h
-            r.hold_bytes = nbytes
-            self.col_held[h] += nbytes
-            self.workers[h].held.add(r)
-
-    def _drop_holder(self, r: Req) -> None:
-        if r.holder >= 0:
-            self.col_held[r.holder] -= r.hold_bytes
-            self.workers[r.holder].held.discard(r)
-            r.holder = -1
-            r.hold_bytes = 0.0
 
     def _finish(self, r: Req, w: Worker, now: float) -> None:
         r.finish = now
         r.completions += 1
         r.generated = r.output
         self.col_queue[w.idx] -= 1
-        self._drop_holder(r)
+        self._touch(w.idx)
+        if r.holders:
+            self._drop_holders(r)
         self.unfinished -= 1
+
+    # -- checkpoint holders -------------------------------------------------------------------
+
+    def _set_holders(self, r: Req, serving: int, tokens: float, now: float,
+                     stream: bool) -> None:
+        """(Re)place `r`'s checkpoint for `tokens` of context; `stream`: send that context
+        to the new holders now (a resumed or re-protected request)."""
+        if r.holders:
+            self._drop_holders(r)
+        nbytes = tokens * self.kvb
+        if self.fast_holder:
+            h = policy.choose_holder_in(self.col_load, self.snapshot, serving, nbytes)
+            holders = [] if h is None else [h]
+        elif self.replicas == 1:
+            h = policy.place_checkpoint(self.snapshot, serving, nbytes, self.pcfg)
+            holders = [] if h is None else [h]
+        else:
+            holders = policy.place_checkpoint_replicas(self.snapshot, serving, nbytes,
+                                                       self.pcfg, self.replicas)
+        if len(holders) < self.replicas and self.cfg.eviction != "refuse":
+            holders = self._evict_for(serving, nbytes, holders)
+        if not holders:
+            self.refused += 1
+            return
+        r.holders = holders
+        r.hold_bytes = nbytes
+        r.hold_t = now
+        for h in holders:
+            self.col_held[h] += nbytes
+            w = self.workers[h]
+            w.held.add(r)
+            if self.col_held[h] > w.peak_held:
+                w.peak_held = self.col_held[h]
+            self._touch(h)
+        if stream:
+            self._stream(self.workers[serving], now, nbytes * len(holders))
+            for h in holders:
+                self.workers[h].ingress.add(now, nbytes, r)
+
+    def _drop_holders(self, r: Req) -> None:
+        for h in r.holders:
+            self.col_held[h] -= r.hold_bytes
+            self.workers[h].held.discard(r)
+            self._touch(h)
+        r.holders = []
+        r.hold_bytes = 0.0
+
+    def _drop_replica(self, r: Req, h: int) -> None:
+        self.col_held[h] -= r.hold_bytes
+        self.workers[h].held.discard(r)
+        self._touch(h)
+        r.holders = [x for x in r.holders if x != h]
+        if not r.holders:
+            r.hold_bytes = 0.0
+
+    def _evict_for(self, serving: int, nbytes: float, holders: list[int]) -> list[int]:
+        """Budgets are full: the holders the policy would pick without budgets make room by
+        evicting whole checkpoints, as lumend's holder does; refused where they cannot."""
+        wanted = policy.place_checkpoint_replicas(self.unbudgeted, serving, nbytes, self.pcfg,
+                                                  self.replicas)
+        out = list(holders)
+        for h in wanted:
+            if len(out) >= self.replicas:
+                break
+            if h not in out and self._make_room(h, nbytes):
+                out.append(h)
+        return out
+
+    def _make_room(self, h: int, nbytes: float) -> bool:
+        budget = self.snapshot.budget_bytes[h]
+        if self.col_held[h] + nbytes <= budget:
+            return True
+        victims = self._victims(self.workers[h])
+        # Evict nothing when even every candidate would not make room (lumend's rule).
+        if sum(v.hold_bytes for v in victims) < self.col_held[h] + nbytes - budget:
+            return False
+        for v in victims:
+            if self.col_held[h] + nbytes <= budget:
+                break
+            self._drop_replica(v, h)
+            self.evictions += 1
+        return True
+
+    def _victims(self, w: Worker) -> list[Req]:
+        """w's checkpoints in eviction order. lru: the oldest placement first (a decoding
+        request writes every step, so its last write is now; age is what separates them)."""
+        if self.cfg.eviction == "lru":
+            return sorted(w.held, key=lambda r: (r.hold_t, r.rid))
+        by_length = sorted(w.held, key=lambda r: (r.hold_bytes, r.hold_t, r.rid))
+        if self.cfg.eviction == "longest_prefix_protected" and by_length:
+            protected = max(1, math.ceil(len(by_length) * PROTECTED_SHARE))
+            return by_length[:-protected]
+        return by_length
 
     # -- stepping ---------------------------------------------------------------------------
 
     def _poke(self, w: Worker, now: float) -> None:
         """New work for `w`: start a step if idle, or end the current run after this step."""
         if w.state == IDLE:
-            self._plan(w, now)
+            if w.alive:
+                self._plan(w, now)
         elif w.state == RUN:
             k = w.steps_done_by(now - w.t0)
             if k + 1 < w.run_n:
                 w.run_n = k + 1
                 w.version += 1
                 self._push(w.t0 + w.run_time(w.run_n), EV_STEP, w, w.version)
-
     def _plan(self, w: Worker, now: float) -> None:
         if w.pending_rate is not None:
             self._apply_rate(w)
@@ -402,11 +537,15 @@ class Simulation:
                 produced += nrun * w.gain
             chunks, w.chunks = w.chunks, []
             queue = w.queue
+            workers, kvb = self.workers, self.kvb
             for r, take in chunks:
                 r.todo -= take
                 r.ctx += take
                 w.kv_used += take
                 produced += take
+                # Prefill pages (most of a checkpoint's bytes) queue at the holders' ingress.
+                for h in r.holders:
+                    workers[h].ingress.add(now, take * kvb, r)
                 if r.todo == 0:
                     queue.popleft()
                     self._emit_first(r, w, now)
@@ -414,10 +553,10 @@ class Simulation:
             nrun = len(w.running)
             self._advance(w, w.run_n)
             produced += w.run_n * nrun * w.gain
-            last = nrun * w.gain
+            last = nrun * w.gain * self.stream_kvb
         self._complete_due(w, now)
         if self.checkpointing and produced:
-            self._stream(w, now, produced, last)
+            self._stream(w, now, produced * self.stream_kvb, last)
         w.state = IDLE
         self._plan(w, now)
 
@@ -515,16 +654,17 @@ class Simulation:
 
     # -- checkpoint streaming -----------------------------------------------------------------
 
-    def _stream(self, w: Worker, now: float, tokens: float, last: float | None = None) -> None:
-        """`tokens` became resident since the last update, the final `last` of them just now
-        (the step that ended). Blocks stream as they fill, so the backlog is what the link
-        could not keep up with, and at least the last step's output."""
+
+    def _stream(self, w: Worker, now: float, nbytes: float, last: float | None = None) -> None:
+        """`nbytes` became resident (on the wire: every replica's copy) since the last update,
+        the final `last` bytes of them just now (the step that ended). Blocks stream as they
+        fill, so the backlog is what w's link could not keep up with, and at least the last
+        step's output."""
         sent = self.ck_bw * (now - w.ck_t)
-        w.ck_backlog = max(w.ck_backlog + tokens * self.kvb - sent,
-                           (tokens if last is None else last) * self.kvb)
+        w.ck_backlog = max(w.ck_backlog + nbytes - sent, nbytes if last is None else last)
         w.ck_t = now
 
-    # -- faults and recovery ------------------------------------------------------------------
+    # -- faults -------------------------------------------------------------------------------
 
     def _fault(self, now: float) -> None:
         spec = self.cfg.fault
@@ -554,75 +694,79 @@ class Simulation:
         else:
             k = min(n, max(1, round(spec.fraction * n)))
             failed = sorted(random.Random(self.cfg.seed).sample(range(n), k))
-        self.fault = FaultRecord(now, failed, [], self._holder_balance())
-        self._fail(failed, now)
+        host_lost = spec.kind.host_lost
+        self.fault = FaultRecord(now, failed, [], self._holder_balance(), host_lost)
+        egress_lost: dict[Req, float] = {}
+        interrupted: list[Req] = []
+        for idx in failed:
+            w = self.workers[idx]
+            out, lost_each = self._stop_worker(w, now)
+            w.lost = out
+            interrupted.extend(out)
+            for r in out:
+                egress_lost[r] = lost_each
+        self._checkpoint_at_fault(interrupted, egress_lost, set(failed) if host_lost else set(),
+                                  now)
+        delay = self.cfg.host_detect_s if host_lost else self.cfg.crash_detect_s
+        self._push(now + delay, EV_DETECT, failed)
+
+    def _checkpoint_at_fault(self, interrupted: list[Req], egress_lost: dict[Req, float],
+                             dead_hosts: set[int], now: float) -> None:
+        """What each interrupted request's replicas hold: resident context minus the bytes
+        still queued at the server's link or the holder's (a byte is safe once both carried
+        it; the larger backlog stands for the tandem), in whole blocks; nothing on a lost
+        host."""
+        needed = {h for r in interrupted for h in r.holders if h not in dead_hosts}
+        pending = {h: self.workers[h].ingress.pending(now) for h in needed}
+        block = self.cfg.block_tokens
+        for r in interrupted:
+            r.resident_at_fault = r.ctx
+            r.ckpt_by = []
+            best = 0
+            if r.ctx > 0:
+                for h in r.holders:
+                    if h in dead_hosts:
+                        continue
+                    lost = max(egress_lost[r], pending[h].get(r, 0.0)) / self.kvb
+                    tokens = int(max(0.0, r.ctx - lost) // block) * block
+                    r.ckpt_by.append((h, tokens))
+                    best = max(best, tokens)
+            r.ckpt_tokens = best
+            if r.first_token >= 0:
+                r.interrupted_at = now
+                r.replay_first = -1.0
 
     def _holder_balance(self) -> float | None:
         held = [b for b, ok in zip(self.col_held, self.col_alive, strict=True) if ok]
         mean = sum(held) / len(held) if held else 0.0
         return max(held) / mean if mean > 0 else None
 
-    def _fail(self, failed: list[int], now: float) -> None:
-        cfg = self.cfg
-        interrupted: list[Req] = []
-        for idx in failed:
-            w = self.workers[idx]
-            interrupted.extend(self._stop_worker(w, now))
-        # Checkpoints held by the failed workers are gone; requests elsewhere get a new holder.
-        for idx in failed:
-            for r in list(self.workers[idx].held):
-                self._drop_holder(r)
-                if r.worker >= 0 and self.col_alive[r.worker] and r.finish < 0:
-                    tokens = r.prompt + r.generated
-                    self._set_holder(r, r.worker, float(tokens))
-                    if r.holder >= 0:
-                        self._stream(self.workers[r.worker], now, float(tokens))
-        for r in interrupted:
-            self._recover(r, now)
-        boot = cfg.node_boot_s if cfg.fault.kind is FaultKind.node else 0.0
-        reload_at = now + boot + self.cost.load_time(cfg.disk_bytes_per_s, cfg.init_s)
-        draft = self.cost.draft
-        for idx in failed:
-            w = self.workers[idx]
-            self._push(reload_at, EV_RELOAD, w)
-            if self.pcfg.uses_assist and draft is not None:
-                ready = now + boot + draft.load_time(cfg.disk_bytes_per_s, cfg.draft_init_s)
-                if ready < reload_at:
-                    self._push(ready, EV_DRAFT, w, w.version)
-
-    def _stop_worker(self, w: Worker, now: float) -> list[Req]:
-        """Kill `w` at `now`: keep the whole steps it completed, return its requests."""
+    def _stop_worker(self, w: Worker, now: float) -> tuple[list[Req], float]:
+        """Kill `w`'s engine at `now`: keep the whole steps it completed. Returns its requests
+        and the bytes of each one's checkpoint still in w's outgoing link."""
         if w.state == RUN:
             k = w.steps_done_by(now - w.t0)
             if k:
                 self._advance(w, k)
                 if self.checkpointing:
-                    self._stream(w, now, k * len(w.running) * w.gain, len(w.running) * w.gain)
+                    produced = len(w.running) * w.gain * self.stream_kvb
+                    self._stream(w, now, k * produced, produced)
                 self._complete_due(w, now)
-        lag_tokens = 0.0
+        lag = 0.0
         if self.checkpointing:
-            lag_tokens = max(0.0, w.ck_backlog - self.ck_bw * (now - w.ck_t)) / self.kvb
+            lag = max(0.0, w.ck_backlog - self.ck_bw * (now - w.ck_t))
         out: list[Req] = []
         for _, _, r in w.running:
             self._detach_running(w, r)
             out.append(r)
         out.extend(w.queue)
         out.extend(w.restoring)
-        protected = [r for r in out if r.holder >= 0 and r.ctx > 0]
-        lost_each = lag_tokens / len(protected) if protected else 0.0
-        block = self.cfg.block_tokens
-        for r in out:
-            r.resident_at_fault = r.ctx
-            r.ckpt_tokens = 0
-            if r.holder >= 0 and r.ctx > 0:
-                r.ckpt_tokens = int(max(0.0, r.ctx - lost_each) // block) * block
-            if r.first_token >= 0:
-                r.interrupted_at = now
-                r.replay_first = -1.0
+        protected = sum(1 for r in out if r.holders and r.ctx > 0)
+        lost_each = lag / (protected * max(1, self.replicas)) if protected else 0.0
         w.running, w.queue, w.restoring = [], deque(), set()
+        w.restores.clear()
+        w.rversion += 1
         w.alive = False
-        self.col_alive[w.idx] = False
-        self.col_queue[w.idx] = 0
         w.state = IDLE
         w.version += 1
         w.ctx_sum = w.kv_used = w.ck_backlog = 0.0
@@ -631,15 +775,66 @@ class Simulation:
         if w.assisted_by >= 0:
             self.workers[w.assisted_by].assisting = -1
             w.assisted_by = -1
-        return out
+        return out, lost_each
+
+    def _detect(self, failed: list[int], now: float) -> None:
+        """The cluster learns of the failure: route the failed workers' requests (those cut
+        off at the fault and those admitted since), re-protect checkpoints a lost host took,
+        and start the way back (shadow or reload)."""
+        assert self.fault is not None
+        cfg = self.cfg
+        host_lost = self.fault.host_lost
+        self.fault.detected_at = now
+        moved: list[Req] = []
+        for idx in failed:
+            w = self.workers[idx]
+            self.col_alive[idx] = False
+            self.col_queue[idx] = 0
+            self._touch(idx)
+            moved.extend(w.lost)
+            moved.extend(w.queue)
+            w.lost, w.queue = [], deque()
+        if host_lost:
+            exposed: dict[int, Req] = {}
+            for idx in failed:
+                w = self.workers[idx]
+                for r in list(w.held):
+                    self._drop_replica(r, idx)
+                    exposed[r.rid] = r
+                w.ingress.clear()
+            for r in exposed.values():
+                if r.worker >= 0 and self.col_alive[r.worker] and r.finish < 0:
+                    self._set_holders(r, r.worker, float(r.prompt + r.generated), now,
+                                      stream=True)
+        for r in moved:
+            self._recover(r, now)
+        at = self.fault.at
+        if cfg.shadows and not host_lost:
+            back = max(now, at + cfg.shadow_takeover_s)
+        else:
+            boot = cfg.node_boot_s if cfg.fault.kind is FaultKind.node else 0.0
+            back = max(now, at + boot + self.cost.load_time(cfg.disk_bytes_per_s, cfg.init_s))
+            draft = self.cost.draft
+            if self.pcfg.uses_assist and draft is not None:
+                ready = max(now, at + boot + draft.load_time(cfg.disk_bytes_per_s,
+                                                             cfg.draft_init_s))
+                if ready < back:
+                    for idx in failed:
+                        self._push(ready, EV_DRAFT, self.workers[idx], self.workers[idx].version)
+        self.fault.back_at = back
+        for idx in failed:
+            self._push(back, EV_RELOAD, self.workers[idx])
+
+    # -- recovery -----------------------------------------------------------------------------
 
     def _recover(self, r: Req, now: float) -> None:
-        """Route an interrupted request (Algorithm 2 or a baseline)."""
+        """Route a request off a failed worker (Algorithm 2 or a baseline)."""
         r.epoch += 1
         r.worker = -1
         r.resumed = False
-        holder = r.holder if r.holder >= 0 and self.col_alive[r.holder] else None
-        blocks = r.ckpt_tokens // self.cfg.block_tokens if holder is not None else 0
+        usable = dict((h, t) for h, t in r.ckpt_by if t > 0)
+        holder = policy.choose_replica(self.snapshot, list(usable), self.pcfg) if usable else None
+        blocks = usable[holder] // self.cfg.block_tokens if holder is not None else 0
         route = policy.recover(self.snapshot, holder, blocks, self.pcfg)
         total = r.prompt + r.generated
         r.ctx = 0.0
@@ -648,27 +843,38 @@ class Simulation:
             self.orphans.append(r)
             return
         if route.resume:
-            tokens = min(r.ckpt_tokens, total - 1)  # recompute at least one token
+            tokens = min(usable[route.worker], total - 1)  # recompute at least one token
             w = self.workers[route.worker]
-            r.worker = route.worker
+            r.worker = w.idx
             r.resumed = True
             r.todo = total - tokens
             r.ctx = float(tokens)
             self.col_queue[w.idx] += 1
-            self._set_holder(r, w.idx, float(total))
-            if r.holder >= 0:  # the new holder needs the whole context
-                self._stream(w, now, float(total))
+            self._touch(w.idx)
+            # It now runs on its holder: the checkpoint moves to new holders, whole context.
+            self._set_holders(r, w.idx, float(total), now, stream=True)
             w.restoring.add(r)
-            self._push(now + tokens * self.kvb / self.cfg.restore_bytes_per_s, EV_RESTORE, r,
-                       r.epoch)
+            w.restores.add(now, tokens * self.kvb, (r, r.epoch))
+            self._schedule_restores(w)
             return
         r.todo = total
         self._place(r, route.worker, now)
 
-    def _restore_done(self, r: Req, epoch: int, now: float) -> None:
-        if epoch != r.epoch or r.worker < 0:
+    def _schedule_restores(self, w: Worker) -> None:
+        at = w.restores.next_done_at()
+        if at is not None:
+            w.rversion += 1
+            self._push(at, EV_RESTORE, w, w.rversion)
+
+    def _restores_done(self, w: Worker, version: int, now: float) -> None:
+        if version != w.rversion:
             return
-        w = self.workers[r.worker]
+        for r, epoch in w.restores.done(now):
+            if epoch == r.epoch and r.worker == w.idx:
+                self._restore_done(r, w, now)
+        self._schedule_restores(w)
+
+    def _restore_done(self, r: Req, w: Worker, now: float) -> None:
         w.restoring.discard(r)
         if w.kv_used + r.ctx > w.kv_cap:  # no room for the restored pages: recompute
             r.todo += int(r.ctx)
@@ -699,12 +905,14 @@ class Simulation:
         self._set_rate(t, now, gain=1.0)
 
     def _reload_done(self, w: Worker, now: float) -> None:
+        """w serves again (a shadow took over, or the model reloaded): empty KV, same host."""
         if w.assisting >= 0:
             self._stop_assist(w, now)
         w.alive = True
         self.col_alive[w.idx] = True
         w.speed, w.gain, w.pending_rate = 1.0, 1.0, None
-        self.col_held[w.idx] = 0.0
+        self.col_held[w.idx] = math.fsum(r.hold_bytes for r in w.held)  # clear float drift
+        self._touch(w.idx)
         w.steps = 0
         w.ck_t = now
         orphans, self.orphans = self.orphans, []

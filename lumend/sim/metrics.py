@@ -11,6 +11,10 @@
 * Replay TTFT: for interrupted requests, fault time until their next token.
 * Checkpoint coverage: checkpointed tokens usable at the fault over tokens resident on the
   failed workers (requests with a live holder and a whole block count).
+* Detection and return: seconds from the fault until the cluster noticed it and until the
+  failed workers served again (shadow takeover or reload).
+* Evictions: checkpoint replicas evicted from full holders; refused: placements that found
+  no holder with room (and could not evict).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class PolicyMetrics:
     replay_done_s: float | None      # fault until the last interrupted request streams again
     checkpoint_coverage: float | None
     holder_balance: float | None
+    detected_after_s: float | None
+    back_after_s: float | None
+    evictions: int
+    checkpoints_refused: int
     events: int
     reference_events: int
 
@@ -147,6 +155,11 @@ def summarize(
         replay_done_s=max(replays) if replays else None,
         checkpoint_coverage=covered / resident if resident > 0 else None,
         holder_balance=fault.holder_balance if fault else None,
+        detected_after_s=(fault.detected_at - fault.at
+                          if fault and fault.detected_at is not None else None),
+        back_after_s=fault.back_at - fault.at if fault and fault.back_at is not None else None,
+        evictions=faulted.evictions,
+        checkpoints_refused=faulted.refused,
         events=faulted.events,
         reference_events=reference.events,
     )

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lumend.sim.config import SimConfig, named_policy
+from lumend.sim.config import SimConfig, apply_policy
 from lumend.sim.engine import simulate
 from lumend.sim.metrics import PolicyMetrics, Timeline, summarize
 from lumend.sim.workload import Workload
@@ -23,7 +23,7 @@ class PolicyRun:
 
 def run_policy(workload: Workload, cfg: SimConfig, name: str) -> PolicyRun:
     started = time.perf_counter()
-    policy_cfg = cfg.with_policy(named_policy(name, cfg.policy))
+    policy_cfg = apply_policy(cfg, name)
     faulted = simulate(workload, policy_cfg)
     reference = simulate(workload, policy_cfg.without_fault())
     metrics, timeline = summarize(name, faulted, reference, cfg.window_s, cfg.bin_s)
