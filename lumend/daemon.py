@@ -32,6 +32,7 @@ from lumend.metrics import (
 )
 from lumend.notify import Notifier, Readiness, SystemdLink, watchdog_interval_s
 from lumend.reload import LIVE_KEYS, plan_reload
+from lumend.rpc.plane import ControlPlane, RpcBindError
 
 log = logging.getLogger("lumend")
 
@@ -134,8 +135,16 @@ class Node:
             EngineCollector(lambda: list(self.supervisors.values())),
             CheckpointCollector(self.holder.stats),
         )
-        self.gateway = Gateway(lambda: self.agent.view)
+        self.intents = FailoverIntents(config.node.name, self.store, Keys(config.etcd.cluster),
+                                       self.supervisors, lambda: self.agent.view)
+        # gRPC: the Agent service, the Coordinator service while elected, the gateway's link
+        # to the coordinator and the holder's progress stream (lumend/rpc/plane.py).
+        self.plane = ControlPlane(config, self.agent, self.holder, self.workers,
+                                  self.intents.failover)
+        self.gateway = Gateway(lambda: self.agent.view, coordinator=self.plane.link)
         self.metrics.registry.register(GatewayCollector(self.gateway))
+        for collector in self.plane.collectors:
+            self.metrics.registry.register(collector)
         self.agent.cycle_listeners += [self.metrics.observe_cycle, self.link.poke]
         self.server = MetricsServer(self.metrics)
 
@@ -149,7 +158,7 @@ class Node:
                 record = msgspec.structs.replace(record, checkpoints=CheckpointUsage(
                     bytes_held=usage.bytes_held, budget_bytes=usage.budget_bytes,
                     requests=usage.requests))
-            records.append(record)
+            records.append(self.plane.decorate(record))
         return records
 
     def status_text(self) -> str:
@@ -185,17 +194,18 @@ class Node:
         try:
             self.holder.bind()
             await self.gateway.start(config.gateway.listen)
-        except (HolderBindError, GatewayBindError) as exc:
+            await self.plane.start()
+        except (HolderBindError, GatewayBindError, RpcBindError) as exc:
             self.holder.close()
+            await self.gateway.stop()
             await self.server.stop()
             await self.store.close()
             raise StartupError(str(exc)) from None
-        intents = FailoverIntents(config.node.name, self.store, Keys(config.etcd.cluster),
-                                  self.supervisors, lambda: self.agent.view)
         tasks = [
             asyncio.create_task(self.link.run(stop), name="systemd-link"),
             asyncio.create_task(self._reloads(stop, reload_requested), name="reload"),
-            asyncio.create_task(intents.run(stop), name="failover-intents"),
+            asyncio.create_task(self.intents.run(stop), name="failover-intents"),
+            asyncio.create_task(self.plane.run(stop), name="checkpoint-progress"),
             asyncio.create_task(self.holder.run(stop), name="checkpoint-holder"),
             *(asyncio.create_task(s.run(stop), name=f"supervisor-{name}")
               for name, s in self.supervisors.items()),
@@ -213,6 +223,7 @@ class Node:
             # No gateway routes here any more: let this gateway's streams in flight finish
             # (bounded), then the supervisors stop the engines as their tasks return.
             await self.gateway.stop()
+            await self.plane.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.store.close()
             await self.server.stop()
