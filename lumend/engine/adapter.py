@@ -7,6 +7,7 @@ and restarts; adapters hold no state of their own.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +41,9 @@ class EngineLoad:
     running: int
     waiting: int
     kv_usage: float
+    # Checkpoint coverage gauges; None when the engine does not export them (unknown, not 0).
+    ckpt_running: int | None = None
+    ckpt_complete: int | None = None
 
 
 class EngineAdapter(Protocol):
@@ -119,31 +123,57 @@ class VllmAdapter(HttpEngineAdapter):
     kind = "vllm"
 
     def command(self, spec: EngineSpec) -> list[str]:
-        return [
+        cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", spec.model, "--host", spec.host, "--port", str(spec.port),
-            "--middleware", "lumend.engine.vllm_gate.gate", *spec.args,
+            "--middleware", "lumend.engine.vllm_gate.gate",
         ]
+        # LUMEN checkpoints through our KV connector, unless the operator configured a
+        # connector of their own in the worker's args (theirs wins, and says so in the log).
+        if not any(a.startswith("--kv-transfer-config") for a in spec.args):
+            cmd += ["--kv-transfer-config", LUMEN_KV_TRANSFER_CONFIG]
+        return cmd + list(spec.args)
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         return {"LUMEN_ENGINE_ID": spec.engine_id, "LUMEN_FAILOVER_LOCK": spec.failover_lock}
 
 
+LUMEN_KV_TRANSFER_CONFIG = json.dumps({
+    "kv_connector": "LumenConnector",
+    "kv_connector_module_path": "lumend.engine.vllm_connector",
+    "kv_role": "kv_both",
+    # A checkpoint that cannot be loaded means recompute, never an error to the client.
+    "kv_load_failure_policy": "recompute",
+}, separators=(",", ":"))
+
+
+_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "lumen:ckpt_requests_running",
+                 "lumen:ckpt_requests_complete")
+
+
 def parse_load(metrics_text: str) -> EngineLoad:
-    """Load from vLLM's metric names in a Prometheus text exposition."""
+    """Load from vLLM's metric names in a Prometheus text exposition, and checkpoint
+    coverage from LUMEN's `lumen:ckpt_requests_running` / `lumen:ckpt_requests_complete`
+    (None each when absent, as from an engine without LUMEN's connector)."""
     values: dict[str, float] = {}
     for line in metrics_text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         name_part, _, value = line.rpartition(" ")
         name = name_part.split("{", 1)[0]
-        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                    "vllm:kv_cache_usage_perc"):
+        if name in _LOAD_METRICS:
             values[name] = values.get(name, 0.0) + float(value)
+
+    def optional(name: str) -> int | None:
+        return int(values[name]) if name in values else None
+
     return EngineLoad(
         running=int(values.get("vllm:num_requests_running", 0)),
         waiting=int(values.get("vllm:num_requests_waiting", 0)),
         kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
+        ckpt_running=optional("lumen:ckpt_requests_running"),
+        ckpt_complete=optional("lumen:ckpt_requests_complete"),
     )
 
 

