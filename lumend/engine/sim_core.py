@@ -209,3 +209,48 @@ def reference_completion(seed: int, prompt: list[int], max_tokens: int) -> list[
         out.append(token)
         state = _advance(state, token)
     return out
+
+
+# -- sleep and wake (vLLM's sleep mode, same levels and tags) ------------------------------
+
+SLEEP_LEVELS = {0: (), 1: ("kv_cache",), 2: ("kv_cache", "weights")}
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class SleepState:
+    """What an engine holds, as vLLM's sleep mode sees it.
+
+    Level 0 pauses serving and frees nothing; level 1 frees the KV cache; level 2 also
+    drops the weights (re-mapped from GMS on wake, not read from disk again). Wake restores
+    the tags asked for (all by default); the engine serves again once nothing is missing.
+    """
+
+    held: set[str] = field(default_factory=lambda: set(MEMORY_TAGS))
+    level: int | None = None  # set while asleep
+
+    @property
+    def sleeping(self) -> bool:
+        return self.level is not None
+
+    def sleep(self, level: int) -> list[str]:
+        """Go to sleep at `level`; returns the tags to free now (already-free ones skipped)."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {sorted(SLEEP_LEVELS)}, "
+                             f"got {level}")
+        drop = [tag for tag in SLEEP_LEVELS[level] if tag in self.held]
+        self.held.difference_update(drop)
+        self.level = level if self.level is None else max(self.level, level)
+        return drop
+
+    def wake(self, tags: list[str] | None = None) -> list[str]:
+        """Returns the tags to restore now; the engine is awake when none is missing."""
+        wanted = tags or list(MEMORY_TAGS)
+        unknown = [t for t in wanted if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake tag(s) {unknown}; use {list(MEMORY_TAGS)}")
+        restore = [t for t in MEMORY_TAGS if t in wanted and t not in self.held]
+        self.held.update(restore)
+        if self.held == set(MEMORY_TAGS):
+            self.level = None
+        return restore

@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer, parse_plan
-from lumend.engine.sim_core import Scheduler, SimRequest, decode, encode
+from lumend.engine.sim_core import Scheduler, SimRequest, SleepState, decode, encode
 from lumend.engine.sim_models import MiB, SimModel, sim_model
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
@@ -70,6 +70,9 @@ class SimEngine:
         self._background: set[asyncio.Task[Any]] = set()
         self.requests_total = 0
         self.refused_total = 0
+        self.memory = SleepState()  # vLLM-style sleep: what is freed, what wake restores
+        self.weight_loads = {"disk": 0, "gms": 0}
+        self._layout_hash: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -84,12 +87,15 @@ class SimEngine:
                      self.weights_source, self.weights_seconds)
             if self.lock is not None:
                 await self.lock.acquire()
+            if "weights" not in self.memory.held:  # slept at level 2 while standby
+                await self._restore_weights()
             self._wake()
             await self._released.wait()
             self._released.clear()
 
     def _wake(self) -> None:
         self._kv_pool = bytearray(self.opts.model.kv_cache_bytes)
+        self.memory.wake()  # the lock holder serves: nothing stays asleep
         self.state = "active"
         self.activated_at = time.time()
         log.info("%s active", self.opts.engine_id)
@@ -113,6 +119,7 @@ class SimEngine:
             await self._read_from_disk()
             self._weights = self._fill(bytearray(model.weight_bytes))
             self.weights_source = "disk"
+            self.weight_loads["disk"] += 1
             return
         self._gms = await _connect_gms(self.opts.gms_socket, timeout_s=60.0)
         role = await asyncio.to_thread(self._gms.hello, "auto", 600.0)
@@ -123,6 +130,7 @@ class SimEngine:
         else:
             await asyncio.to_thread(self._map_weights)
             self.weights_source = "gms"
+        self.weight_loads[self.weights_source] += 1
 
     async def _read_from_disk(self) -> None:
         await asyncio.sleep(self.opts.model.load_seconds() * self.opts.time_scale)
@@ -135,12 +143,16 @@ class SimEngine:
         self._fill(mapped.mem)
         self._gms.put_tensor(TensorMeta(name="weights", allocation=alloc, offset=0,
                                         shape=[size], dtype="uint8"))
-        self._gms.commit()
+        self._layout_hash = self._gms.commit()
         self._weights = mapped.mem
 
     def _map_weights(self) -> None:
         assert self._gms is not None
-        _, tensors, _ = self._gms.layout()  # verifies the committed layout hash
+        _, tensors, committed = self._gms.layout()  # verifies the committed layout hash
+        if self._layout_hash is not None and committed != self._layout_hash:
+            raise GmsError(f"GMS weights changed while {self.opts.engine_id} slept (layout "
+                           f"{self._layout_hash[:12]}, now {str(committed)[:12]})")
+        self._layout_hash = committed
         (weights,) = [t for t in tensors if t.name == "weights"]
         self._weights = self._gms.map(weights.allocation).mem
 
@@ -151,6 +163,60 @@ class SimEngine:
             n = min(MiB, len(view) - offset)
             view[offset: offset + n] = pattern[:n]
         return buffer
+
+    # -- sleep and wake (vLLM's /sleep, /wake_up) -----------------------------------------
+
+    async def sleep(self, level: int, mode: str) -> None:
+        if self.state == "initialising":
+            raise web.HTTPConflict(text=f"engine {self.opts.engine_id} is initialising")
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"sleep mode must be 'abort' or 'wait', got {mode!r}")
+        drop = self.memory.sleep(level)  # from now on completions get 503 at once
+        if mode == "wait":
+            while not self.scheduler.idle():
+                await asyncio.sleep(0.01)
+        else:  # vLLM's default: running requests end now
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                if not request.cancelled:
+                    request.cancelled = True
+                    request.emit(None)
+        if "kv_cache" in drop:
+            self._kv_pool = None
+        if "weights" in drop:
+            self._drop_weights()
+        log.info("%s asleep at level %d (freed %s)", self.opts.engine_id, level,
+                 ", ".join(drop) or "nothing")
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        if self.state == "initialising":
+            raise web.HTTPConflict(text=f"engine {self.opts.engine_id} is initialising")
+        restore = self.memory.wake(tags)
+        if "weights" in restore:
+            try:
+                await self._restore_weights()
+            except BaseException:
+                self.memory.held.discard("weights")
+                if self.memory.level is None:
+                    self.memory.level = 2
+                raise
+        if "kv_cache" in restore and self.state == "active":
+            self._kv_pool = bytearray(self.opts.model.kv_cache_bytes)
+        return not self.memory.sleeping
+
+    def _drop_weights(self) -> None:
+        if self._weights is not None and hasattr(self._weights, "close"):
+            self._weights.close()  # the mmap of GMS pages
+        self._weights = None
+        if self._gms is not None:
+            self._gms.close()  # leave the GMS session: the weights stay there for others
+            self._gms = None
+
+    async def _restore_weights(self) -> None:
+        """Map the weights again: from GMS when it holds them (no disk read), else load
+        them from disk (and publish them when this engine becomes GMS's writer)."""
+        self.memory.held.add("weights")
+        await self._load_weights()
+        log.info("%s weights restored from %s", self.opts.engine_id, self.weights_source)
 
     def weights_digest(self) -> str:
         return hashlib.blake2b(memoryview(self._weights), digest_size=16).hexdigest()
@@ -224,7 +290,28 @@ def build_app(engine: SimEngine) -> web.Application:
 
     @routes.get("/is_sleeping")
     async def is_sleeping(_: web.Request) -> web.Response:
-        return web.json_response({"is_sleeping": engine.state != "active"})
+        return web.json_response({"is_sleeping": engine.state != "active"
+                                  or engine.memory.sleeping})
+
+    @routes.post("/sleep")
+    async def sleep(request: web.Request) -> web.Response:
+        try:
+            level = int(request.query.get("level", "1"))
+            await engine.sleep(level, request.query.get("mode", "abort"))
+        except ValueError as exc:
+            return _error(400, f"bad request: {exc}", "invalid_request_error")
+        return web.json_response({"status": "sleeping", "level": level})
+
+    @routes.post("/wake_up")
+    async def wake_up(request: web.Request) -> web.Response:
+        tags = request.query.getall("tags", []) or None
+        try:
+            awake = await engine.wake_up(tags)
+        except ValueError as exc:
+            return _error(400, f"bad request: {exc}", "invalid_request_error")
+        except GmsError as exc:
+            return _error(503, f"weights could not be restored: {exc}", "unavailable")
+        return web.json_response({"status": "awake" if awake else "sleeping", "tags": tags})
 
     @routes.get("/lumen/engine")
     async def info(_: web.Request) -> web.Response:
@@ -233,12 +320,16 @@ def build_app(engine: SimEngine) -> web.Application:
             "model": opts.model.name, "weights_source": engine.weights_source,
             "weights_seconds": engine.weights_seconds, "activated_at": engine.activated_at,
             "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+            "sleeping": engine.memory.sleeping, "sleep_level": engine.memory.level,
+            "memory": sorted(engine.memory.held), "weight_loads": engine.weight_loads,
         })
 
     @routes.get("/lumen/weights_digest")
     async def digest(_: web.Request) -> web.Response:
         if engine.state == "initialising":
             return _error(503, "initialising", "unavailable")
+        if engine._weights is None:
+            return _error(503, "asleep: the weights are not mapped", "unavailable")
         return web.json_response({"digest": await asyncio.to_thread(engine.weights_digest)})
 
     @routes.post("/lumen/release")
@@ -260,6 +351,9 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_steps_total {s.steps}",
             f'lumen_sim_active {1 if engine.state == "active" else 0}',
             f"lumen_sim_prefill_tokens_total {s.prefill_tokens}",
+            f"lumen_sim_sleeping {1 if engine.memory.sleeping else 0}",
+            f'lumen_sim_weight_loads_total{{source="disk"}} {engine.weight_loads["disk"]}',
+            f'lumen_sim_weight_loads_total{{source="gms"}} {engine.weight_loads["gms"]}',
         ]
         c = engine.checkpointer.counters
         lines += [
@@ -277,9 +371,10 @@ def build_app(engine: SimEngine) -> web.Application:
             {"id": opts.model.name, "object": "model", "owned_by": "lumen-sim"}]})
 
     async def completion(request: web.Request, chat: bool) -> web.StreamResponse:
-        if engine.state != "active":
+        if engine.state != "active" or engine.memory.sleeping:
             engine.refused_total += 1
-            return _error(503, f"engine {opts.engine_id} is {engine.state}, not active; "
+            state = "asleep" if engine.memory.sleeping else engine.state
+            return _error(503, f"engine {opts.engine_id} is {state}, not active; "
                           "send the request to the worker's active engine", "unavailable")
         try:
             body = await request.json()
