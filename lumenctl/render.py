@@ -62,16 +62,30 @@ def status_tables(doc: dict[str, Any]) -> RenderableType:
 
 def checkpoints_table(doc: dict[str, Any]) -> RenderableType:
     table = Table(title=f"checkpoint holders in cluster {doc['cluster']}", title_justify="left")
-    for column in ("WORKER", "NODE", "HELD", "BUDGET", "FILL", "REQUESTS"):
+    for column in ("WORKER", "NODE", "HELD", "BUDGET", "FILL", "REQUESTS", "COVERAGE"):
         table.add_column(column)
     for h in doc["holders"]:
         fill = "-" if h["fill"] is None else f"{h['fill'] * 100:.1f}%"
         table.add_row(h["worker"], h["node"], _size(h["bytes_held"]), _size(h["budget_bytes"]),
-                      fill, str(h["requests"]))
+                      fill, str(h["requests"]), _coverage(h))
     balance = doc["balance_ratio"]
     caption = (f"{_size(doc['bytes_held'])} in {doc['requests']} checkpoints; balance "
-               f"(max/min held) {'-' if balance is None else f'{balance:.2f}'}")
+               f"(max/min held) {'-' if balance is None else f'{balance:.2f}'}; coverage "
+               f"{_coverage(doc)}")
+    if doc["coverage_unknown"]:
+        caption += (f" (unknown for {', '.join(doc['coverage_unknown'])}: the engine reports "
+                    "no lumen:ckpt_requests_* gauges)")
     return Group(table, Text(caption))
+
+
+def _coverage(row: dict[str, Any]) -> str:
+    """"93.8% (15/16)" of running requests; "-" when none run; "unknown" when not reported."""
+    running = row["requests_running"]
+    if running is None:
+        return "unknown"
+    if row["coverage"] is None:
+        return "-"
+    return f"{row['coverage'] * 100:.1f}% ({row['requests_checkpointed']}/{running})"
 
 
 def events_table(doc: dict[str, Any]) -> RenderableType:

@@ -57,7 +57,12 @@ def status_document(view: ClusterView) -> dict[str, Any]:
 def checkpoints_document(view: ClusterView) -> dict[str, Any]:
     """Per holder worker: bytes held against its budget and requests held; the balance
     ratio (most over least bytes held among workers with a budget) says whether placement
-    spreads checkpoints (1.0 is even; null when some holder holds nothing)."""
+    spreads checkpoints (1.0 is even; null when some holder holds nothing).
+
+    Coverage is the share of a worker's running requests whose checkpoint is complete, as
+    its engine reports it; null when nothing runs, or when the engine does not report it
+    (`requests_running` null too: unknown, which is not 0). The cluster's coverage counts
+    the workers that report it; `coverage_unknown` names the others."""
     workers = sorted(view.workers.values(), key=lambda w: w.name)
     held = [w.checkpoints.bytes_held for w in workers if w.checkpoints.budget_bytes]
     balance = (max(held) / min(held)) if held and min(held) > 0 else None
@@ -65,12 +70,27 @@ def checkpoints_document(view: ClusterView) -> dict[str, Any]:
         {"worker": w.name, "node": w.node, "bytes_held": w.checkpoints.bytes_held,
          "budget_bytes": w.checkpoints.budget_bytes, "requests": w.checkpoints.requests,
          "fill": (w.checkpoints.bytes_held / w.checkpoints.budget_bytes
-                  if w.checkpoints.budget_bytes else None)}
+                  if w.checkpoints.budget_bytes else None),
+         "requests_running": w.load.ckpt_running,
+         "requests_checkpointed": w.load.ckpt_complete,
+         "coverage": _coverage(w.load.ckpt_running, w.load.ckpt_complete)}
         for w in workers
     ]
+    known = [h for h in holders if h["requests_running"] is not None]
+    running = sum(h["requests_running"] for h in known) if known else None
+    checkpointed = sum(h["requests_checkpointed"] or 0 for h in known) if known else None
     return {"cluster": view.cluster, "holders": holders,
             "bytes_held": sum(w.checkpoints.bytes_held for w in workers),
-            "requests": sum(w.checkpoints.requests for w in workers), "balance_ratio": balance}
+            "requests": sum(w.checkpoints.requests for w in workers), "balance_ratio": balance,
+            "requests_running": running, "requests_checkpointed": checkpointed,
+            "coverage": _coverage(running, checkpointed),
+            "coverage_unknown": [h["worker"] for h in holders if h["requests_running"] is None]}
+
+
+def _coverage(running: int | None, complete: int | None) -> float | None:
+    if not running or complete is None:
+        return None
+    return min(complete, running) / running
 
 
 def events_document(cluster: str, events: list[Event]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from lumend.checkpoint.security import CurveKeys, KeyFileError
 from lumend.engine.sim_models import SIM_MODELS
 
 DEFAULT_CONFIG_PATH = "/etc/lumen/lumend.toml"
@@ -205,6 +206,8 @@ class CheckpointSection(msgspec.Struct, frozen=True, kw_only=True):
     listen: str = _CHECKPOINT_LISTEN
     budget_bytes: int = _CHECKPOINT_BUDGET  # per worker on this node; 0 holds no checkpoints
     eviction: Eviction = "lru"
+    keys: str | None = None  # the cluster's CURVE key file (lumend.checkpoint.security)
+    insecure: bool = False  # no CURVE: only where no keys are set (tests)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -314,7 +317,8 @@ _TOP_KEYS += ("workers", "state_dir", "runtime_dir")
 _NODE_KEYS = ("name", "address")
 _ETCD_KEYS: tuple[str, ...] = ("endpoints", "cluster", "lease_ttl_s", "heartbeat_interval_s")
 _ETCD_KEYS += ("request_timeout_s", "ca_cert", "cert", "key")
-_CHECKPOINT_KEYS = ("listen", "budget_bytes", "eviction")
+_CHECKPOINT_KEYS = ("listen", "budget_bytes", "eviction", "keys", "insecure")
+_CURVE_KEYS_EXAMPLE = "/etc/lumen/checkpoint.keys"
 _WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "args", "port")
 _SERVICES = {  # section -> (its keys, default listen address)
     "gateway": (("listen",), _GATEWAY_LISTEN),
@@ -541,6 +545,7 @@ def _validate(document: dict[str, Any], problems: list[ConfigProblem]) -> dict[s
     _check_dirs(root)
     config: dict[str, Any] = {"node": _check_node(root), "etcd": _check_etcd(root)}
     services: list[tuple[_Table, int]] = []
+    checkpoint: _Table | None = None
     for name, (known, default_listen) in _SERVICES.items():
         table = root.table(name, known)
         if table is None:
@@ -548,6 +553,7 @@ def _validate(document: dict[str, Any], problems: list[ConfigProblem]) -> dict[s
         port = _check_listen(table, default_listen)
         if name == "checkpoint":
             _check_checkpoint(table)
+            checkpoint = table
         if name == "rpc":
             _check_rpc_tls(table)
         if port is not None:
@@ -556,6 +562,8 @@ def _validate(document: dict[str, Any], problems: list[ConfigProblem]) -> dict[s
     _check_service_ports(services)
     listen_ports = [(table.key("listen"), port) for table, port in services]
     config["workers"] = _check_workers(root, listen_ports)
+    if checkpoint is not None:
+        _check_checkpoint_security(checkpoint, has_workers=bool(root.data.get("workers")))
     return {**root.values, **config}
 
 
@@ -697,6 +705,38 @@ def _check_checkpoint(table: _Table) -> None:
         table.values["budget_bytes"] = parse_size(value)
     except ValueError as exc:
         table.problem("budget_bytes", value, str(exc))
+
+
+def _check_checkpoint_security(table: _Table, *, has_workers: bool) -> None:
+    """CURVE on checkpoint sockets is on unless explicitly turned off: a node with workers
+    (its holder keeps their peers' pages, its engines stream theirs) needs the cluster's
+    key file, readable and private, or `insecure = true`."""
+    insecure = table.raw("insecure", "true")
+    if insecure is not _ABSENT and not isinstance(insecure, bool):
+        table.wrong_type("insecure", insecure, "true or false", "false")
+        return
+    path = table.text("keys", f'"{_CURVE_KEYS_EXAMPLE}"')
+    if insecure is True:
+        table.values["insecure"] = True
+        if path is not None:
+            table.problem("insecure", True, "keys is set too: remove insecure = true to use "
+                          "the keys, or remove keys to run without CURVE (tests only)")
+        return
+    if path is None:
+        if has_workers and "keys" not in table.data:
+            table.problem("keys", _ABSENT, (
+                f'add keys = "{_CURVE_KEYS_EXAMPLE}" to [checkpoint], the cluster\'s CURVE key '
+                f"file (create it once with `lumenctl keys generate {_CURVE_KEYS_EXAMPLE}` and "
+                "copy it to every node), or insecure = true to send KV pages unauthenticated "
+                "and in clear (tests only)"))
+        return
+    if not os.path.isabs(path):
+        table.problem("keys", path, f'use an absolute path, e.g. keys = "{_CURVE_KEYS_EXAMPLE}"')
+        return
+    try:
+        CurveKeys.load(path)
+    except KeyFileError as exc:
+        table.problem("keys", path, str(exc))
 
 
 _RPC_TLS_EXAMPLES = {

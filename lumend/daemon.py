@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from lumend.checkpoint.holder import HolderBindError, HolderConfig, HolderService
+from lumend.checkpoint.security import CurveKeys, KeyFileError
 from lumend.cluster.agent import AgentTiming, ClusterAgent, NodeIdentity
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import CheckpointUsage, WorkerRecord
@@ -64,18 +65,23 @@ def make_supervisors(config: NodeConfig) -> dict[str, WorkerSupervisor]:
         w.name: WorkerSupervisor(
             config.node.name, w, adapter_for(w.engine),
             runtime_dir=Path(config.runtime_dir), log_dir=Path(config.state_dir) / "logs",
-            host=config.node.address,
+            host=config.node.address, checkpoint_keys=config.checkpoint.keys,
         )
         for w in config.workers
     }
 
 
 def make_holder(config: NodeConfig) -> HolderService:
-    """The node's checkpoint holder: `budget_bytes` for each worker of this node."""
+    """The node's checkpoint holder: `budget_bytes` for each worker of this node, CURVE
+    with the cluster's keys unless the config says insecure."""
     ckpt = config.checkpoint
+    try:
+        curve = CurveKeys.load(ckpt.keys) if ckpt.keys else None
+    except KeyFileError as exc:  # checked with the config; changed on disk since
+        raise StartupError(f"checkpoint.keys: {exc}") from None
     return HolderService(HolderConfig(
         listen=ckpt.listen, workers=tuple(w.name for w in config.workers),
-        budget_bytes=ckpt.budget_bytes, policy=ckpt.eviction,
+        budget_bytes=ckpt.budget_bytes, policy=ckpt.eviction, curve=curve,
     ))
 
 

@@ -28,6 +28,10 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    # Checkpoint coverage as the active engine reports it: running requests, and those with
+    # a complete checkpoint. None: the engine does not say (coverage unknown, not 0).
+    ckpt_running: int | None = None
+    ckpt_complete: int | None = None
 
 
 class CheckpointUsage(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,15 +7,21 @@ Requests name their checkpoint in the body, as they will for vLLM's connector:
 Best effort both ways: a dropped block only shortens the checkpoint; a missing or wrong page
 (checked byte by byte against what this engine would compute) means recompute, never an
 error to the client.
+
+Holders are reached with the cluster's CURVE keys named by LUMEN_CKPT_KEYS (lumend sets it;
+unset: no CURVE). How many running requests have a complete checkpoint is what the engine
+exports as `lumen:ckpt_requests_complete` (`count_complete`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lumend.checkpoint.security import client_keys_from_env
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 from lumend.engine.sim_core import BLOCK_SIZE, SimRequest, block_hashes, kv_page
 from lumend.engine.sim_models import SimModel
@@ -77,13 +83,32 @@ class SimCheckpointer:
             dtype="uint8", page_shape=(self.page_bytes,),
         )
         self.counters = CheckpointCounters()
+        self.curve = client_keys_from_env()  # KeyFileError: the engine must not start
         self._streamers: dict[str, CheckpointStreamer] = {}
 
     def _streamer(self, holder: str) -> CheckpointStreamer:
         streamer = self._streamers.get(holder)
         if streamer is None:
-            streamer = self._streamers[holder] = CheckpointStreamer(holder, self.layout)
+            streamer = self._streamers[holder] = CheckpointStreamer(holder, self.layout,
+                                                                    curve=self.curve)
         return streamer
+
+    def count_complete(self, running: Iterable[SimRequest],
+                       plans: Mapping[str, tuple[SimRequest, CheckpointPlan]]) -> int:
+        """Running requests with a checkpoint whose every block that became full so far was
+        sent without a drop and not refused (ACKs already here are read first)."""
+        for streamer in self._streamers.values():
+            streamer.poll_acks()
+        complete = 0
+        for request in running:
+            entry = plans.get(request.id)
+            holder = self._streamers.get(entry[1].holder) if entry else None
+            if entry is None or holder is None:
+                continue
+            progress = holder.progress.get(entry[1].ckpt_id)
+            if progress is None or progress.intact:  # None: no block full yet, none lost
+                complete += 1
+        return complete
 
     async def connect(self, plan: CheckpointPlan, within_s: float = 1.0) -> bool:
         """Connect to the request's holder before it is admitted (blocks put before the
@@ -135,7 +160,7 @@ class SimCheckpointer:
 
     def _fetch(self, prompt: list[int], plan: CheckpointPlan) -> int:
         # A streamer of its own: ZeroMQ sockets belong to one thread.
-        streamer = CheckpointStreamer(plan.holder, self.layout)
+        streamer = CheckpointStreamer(plan.holder, self.layout, curve=self.curve)
         try:
             hashes = block_hashes(self.seed, prompt)
             matched = streamer.lookup(plan.ckpt_id, hashes) or 0

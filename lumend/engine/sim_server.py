@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from lumend.checkpoint.security import KeyFileError
 from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer, parse_plan
 from lumend.engine.sim_core import Scheduler, SimRequest, SleepState, decode, encode
 from lumend.engine.sim_models import MiB, SimModel, sim_model
@@ -355,6 +356,13 @@ def build_app(engine: SimEngine) -> web.Application:
             f'lumen_sim_weight_loads_total{{source="disk"}} {engine.weight_loads["disk"]}',
             f'lumen_sim_weight_loads_total{{source="gms"}} {engine.weight_loads["gms"]}',
         ]
+        # Checkpoint coverage (gauges lumend reads into the worker's load): running
+        # requests, and those of them whose checkpoint has lost no block so far.
+        complete = engine.checkpointer.count_complete(s.running, engine.saving)
+        lines += [
+            f'lumen:ckpt_requests_running{{model_name="{opts.model.name}"}} {len(s.running)}',
+            f'lumen:ckpt_requests_complete{{model_name="{opts.model.name}"}} {complete}',
+        ]
         c = engine.checkpointer.counters
         lines += [
             f"lumen_sim_ckpt_blocks_saved_total {c.blocks_saved}",
@@ -500,11 +508,14 @@ def main() -> None:
         model = sim_model(args.model)
     except ValueError as exc:
         parser.error(str(exc))
-    asyncio.run(serve(EngineOptions(
-        engine_id=args.engine_id, host=args.host, port=args.port, model=model,
-        seed=args.seed, time_scale=args.time_scale, gms_socket=args.gms_socket,
-        failover_lock=args.failover_lock,
-    )))
+    try:
+        asyncio.run(serve(EngineOptions(
+            engine_id=args.engine_id, host=args.host, port=args.port, model=model,
+            seed=args.seed, time_scale=args.time_scale, gms_socket=args.gms_socket,
+            failover_lock=args.failover_lock,
+        )))
+    except KeyFileError as exc:
+        parser.exit(2, f"sim engine {args.engine_id}: {exc}\n")
 
 
 if __name__ == "__main__":

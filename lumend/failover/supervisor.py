@@ -23,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
+from lumend.checkpoint.security import ENV_VAR as CKPT_KEYS_ENV
 from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord, WorkerState
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import EngineAdapter, EngineLoad, EngineSpec
@@ -99,7 +100,10 @@ class WorkerSupervisor:
         use_gms: bool = True,
         time_scale: float = 1.0,
         on_failover: Callable[[FailoverRecord], None] | None = None,
+        checkpoint_keys: str | None = None,
     ) -> None:
+        """`checkpoint_keys`: the cluster's CURVE key file, passed to every engine as
+        LUMEN_CKPT_KEYS (None: engines stream checkpoints without CURVE)."""
         self.node = node
         self.worker = worker
         self.adapter = adapter
@@ -109,6 +113,7 @@ class WorkerSupervisor:
         self.gms_socket = self.dir / "gms.sock" if use_gms and adapter.uses_gms else None
         self.counters = WorkerCounters()
         self.on_failover = on_failover
+        self.checkpoint_keys = checkpoint_keys
         self.load = EngineLoad(0, 0, 0.0)
         self.gms_proc: subprocess.Popen[bytes] | None = None
         self.pending_failover: FailoverRecord | None = None
@@ -162,12 +167,19 @@ class WorkerSupervisor:
 
     # -- engines --------------------------------------------------------------------------
 
+    def engine_environment(self, spec: EngineSpec) -> dict[str, str]:
+        env = {**os.environ, **supervisor_env(), **self.adapter.environment(spec)}
+        # The node config decides, never a variable lumend itself inherited.
+        env.pop(CKPT_KEYS_ENV, None)
+        if self.checkpoint_keys:
+            env[CKPT_KEYS_ENV] = self.checkpoint_keys
+        return env
+
     def _start_engine(self, slot: EngineSlot, now: float) -> None:
         with slot.log_path.open("ab") as out:
             slot.proc = subprocess.Popen(
                 self.adapter.command(slot.spec), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **supervisor_env(), **self.adapter.environment(slot.spec)},
+                start_new_session=True, env=self.engine_environment(slot.spec),
             )
         slot.state = "starting"
         slot.started_at = now
@@ -299,7 +311,8 @@ class WorkerSupervisor:
                 for s in self.slots
             ],
             load=WorkerLoad(running=self.load.running, waiting=self.load.waiting,
-                            kv_usage=self.load.kv_usage),
+                            kv_usage=self.load.kv_usage, ckpt_running=self.load.ckpt_running,
+                            ckpt_complete=self.load.ckpt_complete),
             updated_at=time.time(),
         )
 

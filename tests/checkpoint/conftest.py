@@ -14,6 +14,7 @@ import zmq
 
 from lumend.checkpoint import wire
 from lumend.checkpoint.holder import HolderConfig, HolderService, HolderStats
+from lumend.checkpoint.security import CurveKeys
 from lumend.checkpoint.store import Policy
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 
@@ -134,9 +135,11 @@ def make_streamer() -> Iterator[Callable[..., CheckpointStreamer]]:
 class RawPeer:
     """A bare DEALER for sending what no streamer would (malformed frames)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: CurveKeys | None = None) -> None:
         self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.connect_as_client(self.sock)
         self.sock.connect(endpoint)
 
     def ask(self, parts: list[Any], timeout_s: float = 10.0) -> wire.Header:

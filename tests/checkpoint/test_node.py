@@ -10,6 +10,7 @@ import pytest
 
 from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster
+from lumend.checkpoint.security import CurveKeys
 from lumend.checkpoint.streamer import CheckpointStreamer
 from lumend.config import load_config
 from tests.integration.conftest import wait_until
@@ -37,8 +38,11 @@ def test_a_node_holds_checkpoints_and_publishes_them(cluster: LocalCluster) -> N
     node = cluster.nodes[0]
     config = load_config(node.config_path)
     worker = config.workers[0].name
-    streamer = CheckpointStreamer(f"tcp://{config.checkpoint.listen}", LAYOUT)
-    peer = RawPeer(f"tcp://{config.checkpoint.listen}")
+    keys = CurveKeys.load(cluster.keys_file)
+    assert config.checkpoint.keys == str(cluster.keys_file)  # a local cluster runs secure
+    streamer = CheckpointStreamer(f"tcp://{config.checkpoint.listen}", LAYOUT, curve=keys)
+    peer = RawPeer(f"tcp://{config.checkpoint.listen}", curve=keys)
+    intruder = CheckpointStreamer(f"tcp://{config.checkpoint.listen}", LAYOUT)  # no keys
     try:
         assert streamer.wait_connected(30), node.log_text()[-2000:]
         for i in range(3):
@@ -47,6 +51,7 @@ def test_a_node_holds_checkpoints_and_publishes_them(cluster: LocalCluster) -> N
                                       page=page(i), token_count=16 * (i + 1))
         assert streamer.wait_acks("c1", 10).complete
         assert peer.ask([b"not a header"]).reason == "malformed"
+        assert not intruder.wait_connected(1.0)
 
         def published() -> object:
             record = read_view(cluster.endpoints, cluster.cluster).workers.get(worker)
@@ -62,6 +67,9 @@ def test_a_node_holds_checkpoints_and_publishes_them(cluster: LocalCluster) -> N
         assert f'lumen_ckpt_evictions_total{{worker="{worker}"}} 0.0' in metrics
         assert f'lumen_ckpt_refusals_total{{worker="{worker}"}} 0.0' in metrics
         assert 'lumen_ckpt_bad_frames_total{reason="malformed"} 1.0' in metrics
+        refused = [line for line in metrics.splitlines() if line.startswith(
+            'lumen_ckpt_bad_frames_total{reason="unauthenticated"}')]
+        assert refused and float(refused[0].split()[-1]) >= 1, "the intruder was not counted"
 
         assert streamer.finish("c1")
         wait_until(lambda: (r := read_view(cluster.endpoints, cluster.cluster).workers[worker])
@@ -69,3 +77,4 @@ def test_a_node_holds_checkpoints_and_publishes_them(cluster: LocalCluster) -> N
     finally:
         streamer.close()
         peer.close()
+        intruder.close()

@@ -14,6 +14,7 @@ import pwd
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ import yaml
 
 from lumenctl.demo import read_view
 from lumenctl.localcluster import free_ports
+from lumend.checkpoint.security import CurveKeys
 
 REPO = Path(__file__).parents[2]
 ANSIBLE = REPO / "ansible"
@@ -235,6 +237,18 @@ def test_deploy_forms_a_cluster_and_is_idempotent(
         check = subprocess.run([str(BIN / "lumend"), "check-config", str(config)],
                                capture_output=True, text=True, timeout=30)
         assert check.returncode == 0, check.stderr
+
+    # One CURVE key file, made once on the controller, landed on every node private to the
+    # lumend user; each config names it and each holder runs with it.
+    cluster_keys = CurveKeys.load(tmp_path / "lumen-ansible-test-checkpoint.keys")
+    for variables in test_hosts.values():
+        keys = Path(variables["lumend_config_dir"]) / "checkpoint.keys"
+        assert stat.S_IMODE(keys.stat().st_mode) == 0o600
+        assert keys.stat().st_uid == pwd.getpwnam(variables["lumend_user"]).pw_uid
+        assert CurveKeys.load(keys) == cluster_keys
+        config = Path(variables["lumend_config_dir"]) / "lumend.toml"
+        assert f"keys = {json.dumps(str(keys))}" in config.read_text()
+        assert "CURVE (cluster keys)" in Path(variables["lumend_log_file"]).read_text()
     view = read_view(endpoints, "ansible-test")
     assert sorted(view.nodes) == list(HOSTS)
     assert sorted(view.workers) == [f"{h}-w0" for h in HOSTS]

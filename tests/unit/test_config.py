@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from lumend.checkpoint.security import CurveKeys
 from lumend.config import (
     ConfigError,
     ConfigProblem,
@@ -52,7 +53,11 @@ BASE: dict[str, Any] = {
 
 
 def config_text(**overrides: Any) -> str:
-    """A TOML document (tables written inline): BASE with the overrides merged in."""
+    """A TOML document (tables written inline): BASE with the overrides merged in. A config
+    with workers and no [checkpoint] override runs insecure (the CURVE keys have tests of
+    their own below)."""
+    if overrides.get("workers") and "checkpoint" not in overrides:
+        overrides["checkpoint"] = {"insecure": True}
     document = _merge(BASE, overrides)
     return "\n".join(f"{key} = {_toml_value(value)}" for key, value in document.items())
 
@@ -76,11 +81,26 @@ def problem_at(text: str, key: str) -> ConfigProblem:
     return found[0]
 
 
+EXAMPLE_KEYS = '"/etc/lumen/checkpoint.keys"'
+
+
+@pytest.fixture
+def example(tmp_path: Path) -> Path:
+    """The example config, its key file path replaced by a real key file."""
+    keys = tmp_path / "checkpoint.keys"
+    CurveKeys.generate().write(keys)
+    text = EXAMPLE.read_text()
+    assert EXAMPLE_KEYS in text
+    path = tmp_path / "lumend.toml"
+    path.write_text(text.replace(EXAMPLE_KEYS, f'"{keys}"'))
+    return path
+
+
 # --------------------------------------------------------------------------- good configs
 
 
-def test_example_parses_to_the_documented_values() -> None:
-    config = load_config(EXAMPLE)
+def test_example_parses_to_the_documented_values(example: Path) -> None:
+    config = load_config(example)
 
     assert config.node.name == "gpu-node-1"
     assert config.node.address == "10.0.0.11"
@@ -96,6 +116,8 @@ def test_example_parses_to_the_documented_values() -> None:
     assert config.checkpoint.address == ("0.0.0.0", 7441)
     assert config.checkpoint.budget_bytes == 20 * GiB
     assert config.checkpoint.eviction == "lru"
+    assert config.checkpoint.keys == str(example.parent / "checkpoint.keys")
+    assert config.checkpoint.insecure is False
     assert config.metrics.address == ("0.0.0.0", 9440)
     assert config.state_dir == "/var/lib/lumen"
     assert config.runtime_dir == "/run/lumen"
@@ -115,6 +137,7 @@ def test_example_documents_every_key() -> None:
     text = EXAMPLE.read_text()
     keys = ["state_dir", "runtime_dir", "heartbeat_interval_s", "request_timeout_s"]
     keys += ["ca_cert", "cert", "key", "eviction", "budget_bytes", "draft_model", "args"]
+    keys += ["keys", "insecure"]
     for key in keys:
         assert f"{key} =" in text, key
 
@@ -131,6 +154,7 @@ def test_minimal_config_gets_the_defaults() -> None:
     assert config.checkpoint.listen == "0.0.0.0:7441"
     assert config.checkpoint.budget_bytes == 20 * GiB
     assert config.checkpoint.eviction == "lru"
+    assert (config.checkpoint.keys, config.checkpoint.insecure) == (None, False)
     assert config.metrics.listen == "0.0.0.0:9440"
     assert config.workers == []
     assert (config.state_dir, config.runtime_dir) == ("/var/lib/lumen", "/run/lumen")
@@ -539,10 +563,65 @@ def test_parse_listen_rejects(text: str, message: str) -> None:
     assert message in str(caught.value)
 
 
-def test_sim_workers_name_a_sim_preset() -> None:
-    text = EXAMPLE.read_text().replace('engine = "vllm"', 'engine = "sim"')
+def test_sim_workers_name_a_sim_preset(example: Path) -> None:
+    text = example.read_text().replace('engine = "vllm"', 'engine = "sim"')
     with pytest.raises(ConfigError) as info:
         parse_config(text)
     assert any(p.key == "workers[0].model" and "sim-small" in p.fix for p in info.value.problems)
     ok = text.replace('model = "/models/Qwen3-32B"', 'model = "sim-small"')
     assert parse_config(ok).workers[0].model == "sim-small"
+
+
+# --------------------------------------------------------------------------- CURVE keys
+
+
+def secure(keys: str | None = None, **checkpoint: Any) -> str:
+    settings = {**checkpoint, **({"keys": keys} if keys is not None else {})}
+    return config_text(checkpoint=settings, workers=[worker()])
+
+
+def test_a_node_with_workers_needs_keys_or_insecure() -> None:
+    problem = problem_at(secure(), "checkpoint.keys")
+
+    assert problem.value == "<missing>"
+    assert 'add keys = "/etc/lumen/checkpoint.keys" to [checkpoint]' in problem.fix
+    assert "lumenctl keys generate /etc/lumen/checkpoint.keys" in problem.fix
+    assert "insecure = true" in problem.fix
+    # Controls: insecure said out loud, or a node without workers, needs no keys.
+    assert parse_config(secure(insecure=True)).checkpoint.insecure is True
+    assert parse_config(config_text()).checkpoint.keys is None
+
+
+def test_a_good_key_file_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.keys"
+    CurveKeys.generate().write(path)
+
+    config = parse_config(secure(str(path)))
+
+    assert (config.checkpoint.keys, config.checkpoint.insecure) == (str(path), False)
+
+
+def test_key_file_problems_name_the_file_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.keys"
+    missing = problem_at(secure(str(path)), "checkpoint.keys")
+    assert f"lumenctl keys generate {path}" in missing.fix
+
+    CurveKeys.generate().write(path)
+    path.chmod(0o644)
+    readable = problem_at(secure(str(path)), "checkpoint.keys")
+    assert f"chmod 600 {path}" in readable.fix
+
+    path.write_text("server_public = [")
+    path.chmod(0o600)
+    assert "is not TOML" in problem_at(secure(str(path)), "checkpoint.keys").fix
+
+
+@pytest.mark.parametrize(("checkpoint", "key", "fix"), [
+    ({"keys": "checkpoint.keys"}, "checkpoint.keys", "use an absolute path"),
+    ({"keys": 7}, "checkpoint.keys", "expected a string"),
+    ({"insecure": "yes"}, "checkpoint.insecure", "expected true or false"),
+    ({"insecure": True, "keys": "/etc/lumen/checkpoint.keys"}, "checkpoint.insecure",
+     "keys is set too"),
+])
+def test_keys_and_insecure_mistakes(checkpoint: dict[str, Any], key: str, fix: str) -> None:
+    assert fix in problem_at(config_text(checkpoint=checkpoint, workers=[worker()]), key).fix
