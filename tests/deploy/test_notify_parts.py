@@ -78,7 +78,7 @@ def test_journal_stream_detection(tmp_path: Path) -> None:
 
 
 def test_reload_plan_applies_live_keys_and_refuses_the_rest() -> None:
-    text = EXAMPLE.read_text()
+    text = EXAMPLE.read_text().replace('keys = "/etc/lumen/checkpoint.keys"', "insecure = true")
     old = parse_config(text)
     new = parse_config(
         text.replace('listen = "0.0.0.0:9440"', 'listen = "0.0.0.0:9441"')

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lumenctl.demo import read_view
 from lumenctl.localcluster import EtcdCluster, LumendNode, free_ports, node_config_toml
+from lumend.checkpoint.security import CurveKeys
 
 from .conftest import wait_until
 
@@ -20,11 +21,15 @@ def lumend(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_check_config_exit_codes(tmp_path: Path) -> None:
-    ok = lumend("check-config", str(EXAMPLE))
+    example = tmp_path / "example.toml"  # the example, with a real CURVE key file
+    CurveKeys.generate().write(tmp_path / "checkpoint.keys")
+    example.write_text(EXAMPLE.read_text().replace("/etc/lumen/checkpoint.keys",
+                                                   str(tmp_path / "checkpoint.keys")))
+    ok = lumend("check-config", str(example))
     assert ok.returncode == 0, ok.stderr
 
     bad = tmp_path / "bad.toml"
-    bad.write_text(EXAMPLE.read_text().replace("lease_ttl_s = 10", "lease_ttl = 10"))
+    bad.write_text(example.read_text().replace("lease_ttl_s = 10", "lease_ttl = 10"))
     result = lumend("check-config", str(bad))
     assert result.returncode == 2
     assert 'etcd.lease_ttl = 10: unknown key; did you mean "lease_ttl_s"?' in result.stderr
