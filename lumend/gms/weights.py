@@ -273,9 +273,11 @@ def host_base(mapped: Any) -> torch.Tensor:
 class _CudaArray:
     """The CUDA array interface over raw device memory, for torch.as_tensor."""
 
-    def __init__(self, ptr: int, nbytes: int, readonly: bool) -> None:
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        # PyTorch refuses the interface's read-only flag; a reader's mapping is protected
+        # where it counts, by the access the driver granted (cuMemSetAccess, read only).
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, readonly),
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
             "version": 3, "strides": None,
         }
 
@@ -283,5 +285,5 @@ class _CudaArray:
 def device_base(mapping: Any) -> torch.Tensor:
     """A flat uint8 CUDA tensor over a `DeviceMapping` (no copy; same address after a
     remap, so tensors made from it stay valid across sleep and wake)."""
-    array = _CudaArray(mapping.va, mapping.size, readonly=not mapping.writable)
+    array = _CudaArray(mapping.va, mapping.size)
     return torch.as_tensor(array, device=torch.device("cuda", mapping.device.ordinal))

@@ -96,3 +96,13 @@ def test_device_and_host_mappings_are_not_confused(gms: GmsProcess) -> None:
         alloc, _ = writer.allocate("weights", 4096)
         with pytest.raises(GmsError, match=r"host memory .*map\(\), not map_device"):
             writer.map_device(alloc, device=None)  # type: ignore[arg-type]
+
+
+@no_gpu_here
+def test_the_gpu_check_script_exits_2_without_cuda() -> None:
+    script = Path(__file__).parents[2] / "bench" / "gpu" / "gms_check.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "no usable CUDA here, nothing checked" in out.stderr
+    assert out.stdout == ""  # no table: nothing was checked
