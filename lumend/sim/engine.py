@@ -268,6 +268,9 @@ class Simulation:
         self.fault: FaultRecord | None = None
         self.checkpointing = cfg.policy.checkpoints
         self.replicas = cfg.replicas if self.checkpointing else 0
+        # Link backlogs matter only for what a fault loses: tracked until the (one) fault.
+        self.track_links = self.checkpointing and cfg.fault.kind not in (FaultKind.none,
+                                                                         FaultKind.gray)
         # Algorithm 1 from the kept L_hat column: what place_checkpoint dispatches to here.
         self.fast_holder = (cfg.policy.mode is policy.Mode.lumen
                             and cfg.policy.load_aware_placement and cfg.replicas == 1)
@@ -277,6 +280,9 @@ class Simulation:
         self.refused = 0
         self.assists: list[tuple[int, int]] = []
         self.ck_bw = cfg.link_bytes_per_s
+        self.chunk_tokens, self.max_batch = cfg.chunk_tokens, cfg.max_batch
+        # Eq. 4 weights, for _touch's inline L_hat (tests check it against policy.loads).
+        self.alpha, self.beta = cfg.policy.alpha, cfg.policy.beta
 
     # -- event plumbing ---------------------------------------------------------------------
 
@@ -337,9 +343,10 @@ class Simulation:
     # -- admission and completion -----------------------------------------------------------
 
     def _touch(self, i: int) -> None:
-        """Worker i's queue, checkpoint bytes or liveness changed: refresh its L_hat."""
-        self.col_load[i] = (policy.load_hat(self.snapshot, i, self.pcfg) if self.col_alive[i]
-                            else math.inf)
+        """Worker i's queue, checkpoint bytes or liveness changed: refresh its L_hat
+        (policy.load_hat, inlined: this runs several times per request)."""
+        self.col_load[i] = (self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
+                            if self.col_alive[i] else math.inf)
 
     def _admit(self, r: Req, now: float) -> None:
         target = policy.least_loaded_in(self.col_load)
@@ -363,8 +370,9 @@ class Simulation:
         r.finish = now
         r.completions += 1
         r.generated = r.output
-        self.col_queue[w.idx] -= 1
-        self._touch(w.idx)
+        i = w.idx
+        self.col_queue[i] -= 1
+        self.col_load[i] = self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
         if r.holders:
             self._drop_holders(r)
         self.unfinished -= 1
@@ -402,16 +410,17 @@ class Simulation:
             if self.col_held[h] > w.peak_held:
                 w.peak_held = self.col_held[h]
             self._touch(h)
-        if stream:
+        if stream and self.track_links:
             self._stream(self.workers[serving], now, nbytes * len(holders))
             for h in holders:
                 self.workers[h].ingress.add(now, nbytes, r)
 
     def _drop_holders(self, r: Req) -> None:
+        held, queue, load, alive = self.col_held, self.col_queue, self.col_load, self.col_alive
         for h in r.holders:
-            self.col_held[h] -= r.hold_bytes
+            held[h] -= r.hold_bytes
             self.workers[h].held.discard(r)
-            self._touch(h)
+            load[h] = self.alpha * held[h] + self.beta * queue[h] if alive[h] else math.inf
         r.holders = []
         r.hold_bytes = 0.0
 
@@ -480,16 +489,20 @@ class Simulation:
             self._apply_rate(w)
         nrun = len(w.running)
         gain = w.gain
-        budget = self.cfg.chunk_tokens - nrun
+        budget = self.chunk_tokens - nrun
         seqs = nrun
         free = w.kv_cap - w.kv_used - nrun * gain
         chunks: list[tuple[Req, int]] = []
         prefill = 0
-        max_batch = self.cfg.max_batch
+        max_batch = self.max_batch
         for r in w.queue:
             if budget <= 0 or seqs >= max_batch or free < 1:
                 break
-            take = min(r.todo, budget, int(free))
+            take = r.todo
+            if take > budget:
+                take = budget
+            if take > free:
+                take = int(free)
             chunks.append((r, take))
             budget -= take
             free -= take
@@ -504,7 +517,8 @@ class Simulation:
             if nrun and w.assisted_by >= 0:
                 dt += self._assist_extra(w, nrun)
             w.version += 1
-            self._push(now + dt, EV_STEP, w, w.version)
+            self.seq += 1
+            heapq.heappush(self.heap, (now + dt, self.seq, EV_STEP, w, w.version))
             return
         if nrun == 0:
             if w.queue:
@@ -517,15 +531,18 @@ class Simulation:
             self._preempt(w)
             self._plan(w, now)
             return
-        n = min(w.running[0][0] - w.steps, mem_steps)
-        w.run_n = max(n, 1)
+        n = w.running[0][0] - w.steps
+        if n > mem_steps:
+            n = mem_steps
+        w.run_n = n if n > 1 else 1
         w.run_base = (self.a + self.d * nrun + self.e * w.ctx_sum) / w.speed
         if w.assisted_by >= 0:
             w.run_base += self._assist_extra(w, nrun)
         w.run_inc = self.e * growth / w.speed
         w.state = RUN
         w.version += 1
-        self._push(now + w.run_time(w.run_n), EV_STEP, w, w.version)
+        self.seq += 1
+        heapq.heappush(self.heap, (now + w.run_time(w.run_n), self.seq, EV_STEP, w, w.version))
 
     def _step_end(self, w: Worker, now: float) -> None:
         produced = 0.0
@@ -537,15 +554,16 @@ class Simulation:
                 produced += nrun * w.gain
             chunks, w.chunks = w.chunks, []
             queue = w.queue
-            workers, kvb = self.workers, self.kvb
+            workers, kvb, track = self.workers, self.kvb, self.track_links
             for r, take in chunks:
                 r.todo -= take
                 r.ctx += take
                 w.kv_used += take
                 produced += take
-                # Prefill pages (most of a checkpoint's bytes) queue at the holders' ingress.
-                for h in r.holders:
-                    workers[h].ingress.add(now, take * kvb, r)
+                if track:
+                    # Prefill pages (most of a checkpoint's bytes) queue at holders' ingress.
+                    for h in r.holders:
+                        workers[h].ingress.add(now, take * kvb, r)
                 if r.todo == 0:
                     queue.popleft()
                     self._emit_first(r, w, now)
@@ -554,8 +572,10 @@ class Simulation:
             self._advance(w, w.run_n)
             produced += w.run_n * nrun * w.gain
             last = nrun * w.gain * self.stream_kvb
-        self._complete_due(w, now)
-        if self.checkpointing and produced:
+        running = w.running
+        if not running or running[0][0] <= w.steps:
+            self._complete_due(w, now)
+        if self.track_links and produced:
             self._stream(w, now, produced * self.stream_kvb, last)
         w.state = IDLE
         self._plan(w, now)
@@ -568,6 +588,8 @@ class Simulation:
 
     def _complete_due(self, w: Worker, now: float) -> None:
         running = w.running
+        if running and running[0][0] > w.steps:
+            return
         while running and running[0][0] <= w.steps:
             _, _, r = heapq.heappop(running)
             ctx = r.ctx_join + (w.steps - r.join_step) * w.gain
@@ -707,6 +729,7 @@ class Simulation:
                 egress_lost[r] = lost_each
         self._checkpoint_at_fault(interrupted, egress_lost, set(failed) if host_lost else set(),
                                   now)
+        self.track_links = False
         delay = self.cfg.host_detect_s if host_lost else self.cfg.crash_detect_s
         self._push(now + delay, EV_DETECT, failed)
 
@@ -748,12 +771,12 @@ class Simulation:
             k = w.steps_done_by(now - w.t0)
             if k:
                 self._advance(w, k)
-                if self.checkpointing:
+                if self.track_links:
                     produced = len(w.running) * w.gain * self.stream_kvb
                     self._stream(w, now, k * produced, produced)
                 self._complete_due(w, now)
         lag = 0.0
-        if self.checkpointing:
+        if self.track_links:
             lag = max(0.0, w.ck_backlog - self.ck_bw * (now - w.ck_t))
         out: list[Req] = []
         for _, _, r in w.running:

@@ -8,7 +8,7 @@ from collections import deque
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-EPS_BYTES = 1.0  # float slack when a transfer counts as complete
+REL_EPS = 1e-12  # float slack, relative to the bytes carried, when a transfer is complete
 
 
 class Backlog(Generic[T]):
@@ -42,10 +42,19 @@ class Backlog(Generic[T]):
             entries.popleft()
 
     def add(self, now: float, nbytes: float, owner: T) -> None:
-        self._drain(now)
+        level = self.level - self.bytes_per_s * (now - self.t)  # _drain, inlined: hot path
+        self.t = now
+        entries = self.entries
+        if level <= 0:
+            level = 0.0
+            entries.clear()
+        else:
+            mark = self.total - level
+            while entries and entries[0][0] <= mark:
+                entries.popleft()
         self.total += nbytes
-        self.level += nbytes
-        self.entries.append((self.total, nbytes, owner))
+        self.level = level + nbytes
+        entries.append((self.total, nbytes, owner))
 
     def pending(self, now: float) -> dict[T, float]:
         """Bytes of each owner still queued at `now`."""
@@ -95,8 +104,13 @@ class SharedLink(Generic[T]):
     def done(self, now: float) -> list[T]:
         """Transfers complete by `now`, removed."""
         self._advance(now)
-        out = []
-        while self.jobs and self.jobs[0][0] <= self.vt + EPS_BYTES:
+        out: list[T] = []
+        if not self.jobs:
+            return out
+        # Done when within float error, or under a nanosecond from done: the next event
+        # time must move forward.
+        slack = max(self.vt * REL_EPS, 1e-9 * self.bytes_per_s / len(self.jobs))
+        while self.jobs and self.jobs[0][0] <= self.vt + slack:
             out.append(heapq.heappop(self.jobs)[2])
         return out
 
