@@ -215,7 +215,8 @@ def _build_worker_class() -> type:
         def sleep(self, level: int = 1) -> None:
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
-            _state().unmap()
+            if _state().mapped:  # a second sleep (e.g. level 1, then 2) has nothing to unmap
+                _state().unmap()
             # Nothing tagged "weights" is in the CuMem pool, so level 1 copies nothing to
             # host memory; the KV cache is dropped and runtime state kept, as usual.
             self.sleep_mode_backend.suspend(level)
