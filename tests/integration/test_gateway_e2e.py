@@ -17,6 +17,7 @@ from lumenctl.localcluster import LocalCluster
 
 from ..gateway.test_gateway import Streams
 from .conftest import wait_until
+from .test_coordinator import metric
 
 MakeCluster = Callable[..., LocalCluster]
 
@@ -69,3 +70,9 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
         assert restored > 0, "no interrupted stream was resumed from its checkpoint"
 
     asyncio.run(scenario())
+    # Admissions and recoveries were the coordinator's decisions, none local.
+    node = cluster.node("node-1")
+    assert metric(node, "lumen_gateway_coordinated_total", '{call="admit"}') >= 8
+    assert metric(node, "lumen_gateway_coordinated_total", '{call="recover"}') >= 1
+    assert metric(node, "lumen_gateway_degraded_total", '{call="admit"}') == 0
+
