@@ -1,0 +1,265 @@
+"""Detection delay, shadow engines, dual-replica checkpoints, link contention, eviction."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+
+import pytest
+
+from lumend.config import EVICTIONS as PRODUCT_EVICTIONS
+from lumend.config import CheckpointSection, EtcdSection
+from lumend.coordinator import policy
+from lumend.coordinator.policy import GIB
+from lumend.engine.costmodel import load_cost_model
+from lumend.failover.supervisor import SupervisorTiming
+from lumend.sim.config import EVICTIONS, VARIANTS, FaultKind, FaultSpec, SimConfig, apply_policy
+from lumend.sim.engine import Req, SimResult, Simulation, simulate
+from lumend.sim.metrics import mean
+from lumend.sim.runner import run_policy
+from lumend.sim.workload import Workload, synthetic
+
+MODEL, GPU = "sim-small", "h100-tp4"
+FAULT_AT = 40.0
+PER_WORKER = 35.0  # req/s: keeps sim-small busy
+
+
+@cache
+def workload(workers: int = 4) -> Workload:
+    return synthetic(rate=workers * PER_WORKER, duration_s=100.0, seed=3)
+
+
+def config(policy_name: str, fault: FaultKind, workers: int = 4, **kw: object) -> SimConfig:
+    base = SimConfig(workers=workers, model=MODEL, gpu=GPU,
+                     fault=FaultSpec(kind=fault, at_s=FAULT_AT, fraction=0.5))
+    return apply_policy(replace(base, **kw), policy_name)  # type: ignore[arg-type]
+
+
+def sim(policy_name: str, fault: FaultKind, workers: int = 4, **kw: object) -> SimResult:
+    return simulate(workload(workers), config(policy_name, fault, workers, **kw))
+
+
+@cache
+def cached(policy_name: str, fault: FaultKind) -> SimResult:
+    return sim(policy_name, fault)
+
+
+def interrupted(result: SimResult) -> list[Req]:
+    return [r for r in result.requests if r.interrupted_at >= 0]
+
+
+def coverage(result: SimResult) -> float:
+    """Checkpointed over resident tokens of the requests on the failed workers."""
+    reqs = [r for r in result.requests if r.resident_at_fault > 0]
+    return sum(r.ckpt_tokens for r in reqs) / sum(r.resident_at_fault for r in reqs)
+
+
+def assert_conserved(result: SimResult) -> None:
+    for r in result.requests:
+        assert r.completions == 1, f"request {r.rid} completed {r.completions} times"
+        assert r.arrival <= r.first_token <= r.finish
+        assert r.generated == r.output
+
+
+# -- defaults follow the product -------------------------------------------------------------
+
+
+def test_detection_and_eviction_defaults_are_the_products() -> None:
+    cfg = SimConfig()
+    assert cfg.crash_detect_s == SupervisorTiming().tick_s
+    assert cfg.host_detect_s == EtcdSection(endpoints=["http://e:2379"]).lease_ttl_s
+    assert cfg.eviction == CheckpointSection().eviction
+    assert set(EVICTIONS) == set(PRODUCT_EVICTIONS)
+
+
+# -- conservation and determinism --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy_name", sorted(VARIANTS))
+@pytest.mark.parametrize("fault", [FaultKind.worker, FaultKind.node, FaultKind.correlated,
+                                   FaultKind.fraction])
+def test_every_request_completes_exactly_once(policy_name: str, fault: FaultKind) -> None:
+    assert_conserved(cached(policy_name, fault))
+
+
+def test_same_seed_same_numbers_with_every_mechanism_on() -> None:
+    cfg = config("lumen_shadow_dual", FaultKind.fraction, budget_bytes=0.5 * GIB,
+                 eviction="shortest_prefix", crash_detect_s=2.0)
+    a = run_policy(workload(), cfg, "lumen_shadow_dual").metrics
+    b = run_policy(workload(), cfg, "lumen_shadow_dual").metrics
+    assert a == b and a.evictions > 0
+    other = run_policy(workload(), replace(cfg, seed=1), "lumen_shadow_dual").metrics
+    assert other != a  # negative control: the seed picks other failing workers
+
+
+def test_the_kept_load_column_equals_the_policys_loads_throughout() -> None:
+    checks = []
+
+    class Checked(Simulation):
+        def _sample(self, now: float, arrivals_left: bool) -> None:
+            assert self.col_load == policy.loads(self.snapshot, self.pcfg), f"at {now} s"
+            checks.append(now)
+            super()._sample(now, arrivals_left)
+
+    Checked(workload(), config("lumen_dual", FaultKind.node, budget_bytes=0.5 * GIB)).run()
+    assert len(checks) > 15
+
+
+# -- failure detection -----------------------------------------------------------------------
+
+
+def test_detection_delay_shifts_recovery() -> None:
+    prompt = sim("lumen", FaultKind.worker, crash_detect_s=0.0)
+    late = sim("lumen", FaultKind.worker, crash_detect_s=5.0)
+    assert late.fault is not None and late.fault.detected_at == FAULT_AT + 5.0
+    assert min(r.replay_first for r in interrupted(late)) >= FAULT_AT + 5.0
+    # Negative control: noticed at once, some streams resume within 5 s.
+    assert min(r.replay_first for r in interrupted(prompt)) < FAULT_AT + 5.0
+
+    def replay(result: SimResult) -> float:
+        return mean([r.replay_first - r.interrupted_at for r in interrupted(result)])
+
+    assert replay(late) > replay(prompt) + 4.0
+    # Until detected the failed worker still looks alive: arrivals admitted to it wait and
+    # are moved at detection.
+    stranded = [r for r in late.requests
+                if FAULT_AT < r.arrival < FAULT_AT + 5.0 and r.epoch > 0]
+    assert stranded and all(r.first_token >= FAULT_AT + 5.0 for r in stranded)
+    assert_conserved(late)
+
+
+def test_a_lost_host_is_noticed_at_the_lease_ttl_a_crash_at_the_supervisor_tick() -> None:
+    node = cached("lumen", FaultKind.node).fault
+    crash = cached("lumen", FaultKind.worker).fault
+    assert node is not None and crash is not None
+    assert node.host_lost and not crash.host_lost
+    assert node.detected_at == pytest.approx(FAULT_AT + 10.0)
+    assert crash.detected_at == pytest.approx(FAULT_AT + 0.1)
+
+
+# -- shadow engines ------------------------------------------------------------------------
+
+
+def test_a_shadow_replaces_a_crashed_engine_in_half_a_second() -> None:
+    shadow = cached("lumen_shadow", FaultKind.worker)
+    assert shadow.fault is not None and shadow.fault.back_at == pytest.approx(FAULT_AT + 0.5)
+    back = [r for r in shadow.requests if r.worker == 0 and r.arrival > FAULT_AT]
+    assert back and min(r.first_token for r in back) < FAULT_AT + 2.0
+    # In-flight requests are still lost with the engine and recovered by Algorithm 2.
+    lost = interrupted(shadow)
+    assert lost and any(r.resumed for r in lost) and all(r.worker != -1 for r in lost)
+    # Negative control: without shadows the worker is back only after reloading its model.
+    reload_s = load_cost_model(MODEL, GPU).load_time(2e9, 20.0)
+    plain = cached("lumen", FaultKind.worker)
+    assert plain.fault is not None and plain.fault.back_at == pytest.approx(FAULT_AT + reload_s)
+
+
+def test_shadows_do_not_survive_a_lost_node() -> None:
+    reload_s = load_cost_model(MODEL, GPU).load_time(2e9, 20.0)
+    node = cached("lumen_shadow", FaultKind.node)
+    assert node.fault is not None and node.fault.back_at == pytest.approx(FAULT_AT + reload_s)
+
+
+def test_shadows_cut_the_ttft_cost_of_a_crash() -> None:
+    with_shadow = run_policy(workload(), config("lumen_shadow", FaultKind.worker),
+                             "lumen_shadow").metrics
+    without = run_policy(workload(), config("lumen", FaultKind.worker), "lumen").metrics
+    assert with_shadow.mean_ttft_s < without.mean_ttft_s
+    assert with_shadow.interrupted > 0
+
+
+# -- dual-replica checkpoints ----------------------------------------------------------------
+
+
+def test_dual_replicas_survive_the_server_and_a_holder_failing_together() -> None:
+    single = cached("lumen", FaultKind.correlated)
+    dual = cached("lumen_dual", FaultKind.correlated)
+    assert single.fault is not None and dual.fault is not None
+    assert single.fault.host_lost and len(dual.fault.failed) == 2
+    # Every interrupted request had two replicas, neither on its server.
+    assert all(len(r.holders) == 2 or r.finish > 0 for r in dual.requests)
+    assert coverage(dual) > 0.9
+    assert coverage(single) < coverage(dual) - 0.2  # one replica dies with the holder
+    assert sum(r.resumed for r in interrupted(dual)) > sum(r.resumed for r in interrupted(single))
+
+
+def test_dual_replicas_cost_twice_the_checkpoint_memory() -> None:
+    def held(result: SimResult) -> float:
+        return sum(result.peak_held)
+
+    assert held(cached("lumen_dual", FaultKind.worker)) > 1.6 * held(
+        cached("lumen", FaultKind.worker))
+
+
+# -- link contention -------------------------------------------------------------------------
+
+
+def test_two_servers_streaming_into_one_holder_lose_more_checkpoint() -> None:
+    # Fixed checkpointing's static neighbours: with 3 workers on 2 nodes (2 per node), workers
+    # 0 and 1 both stream to worker 2; with 4 workers, 0 streams to 2 alone. A link that
+    # carries one server's stream but not two.
+    def cov(workers: int, link: float) -> float:
+        return coverage(sim("fixed_checkpoint", FaultKind.worker, workers,
+                            link_bytes_per_s=link))
+
+    shared, alone = cov(3, 4e9), cov(4, 4e9)
+    assert alone > 0.8
+    assert shared < alone - 0.2
+    # Negative control: a fast link makes the sharing harmless.
+    assert cov(3, 100e9) > 0.95
+
+
+def test_concurrent_restores_from_one_holder_share_its_bandwidth() -> None:
+    # Fixed checkpointing resumes all of worker 0's requests on its neighbour (worker 2).
+    bw = 1e9
+    result = sim("fixed_checkpoint", FaultKind.worker, restore_bytes_per_s=bw)
+    resumed = [r for r in interrupted(result) if r.resumed]
+    assert len(resumed) > 20
+    kvb = load_cost_model(MODEL, GPU).model.kv_bytes_per_token
+    restored = [min(r.ckpt_tokens, r.prompt + r.output) * kvb for r in resumed]
+    assert result.fault is not None and result.fault.detected_at is not None
+    last = max(r.replay_first for r in resumed) - result.fault.detected_at
+    # Shared: the last one streams only after (nearly) all bytes went through ...
+    assert last >= 0.9 * sum(restored) / bw
+    # ... far later than any one transfer alone would take.
+    assert last > 5 * max(restored) / bw
+
+
+# -- eviction --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eviction", ["lru", "shortest_prefix", "longest_prefix_protected"])
+def test_eviction_keeps_every_holder_within_its_budget(eviction: str) -> None:
+    budget = 0.5 * GIB
+    result = sim("lumen", FaultKind.worker, budget_bytes=budget, eviction=eviction)
+    assert result.evictions > 0
+    assert max(result.peak_held) <= budget * (1 + 1e-9)
+    assert interrupted(result) and any(r.resumed for r in interrupted(result))
+    assert_conserved(result)
+
+
+def test_refuse_keeps_the_budget_without_evicting() -> None:
+    budget = 0.5 * GIB
+    refuse = sim("lumen", FaultKind.worker, budget_bytes=budget, eviction="refuse")
+    assert refuse.evictions == 0 and refuse.refused > 0
+    assert max(refuse.peak_held) <= budget * (1 + 1e-9)
+    # Negative control: an ample budget neither evicts nor refuses.
+    roomy = cached("lumen", FaultKind.worker)
+    assert roomy.evictions == 0 and roomy.refused == 0
+
+
+def victims_order(eviction: str) -> list[int]:
+    s = Simulation(workload(), config("lumen", FaultKind.none, eviction=eviction))
+    w = s.workers[1]
+    # rid, held tokens, placed at
+    for rid, tokens, placed in [(0, 500, 3.0), (1, 100, 2.0), (2, 900, 1.0), (3, 300, 4.0)]:
+        r = Req(rid, 0.0, tokens, 10)
+        r.hold_bytes, r.hold_t = float(tokens), placed
+        w.held.add(r)
+    return [r.rid for r in s._victims(w)]
+
+
+def test_eviction_order_follows_the_holders_policies() -> None:
+    assert victims_order("lru") == [2, 1, 0, 3]                 # oldest placement first
+    assert victims_order("shortest_prefix") == [1, 3, 0, 2]     # shortest first
+    assert victims_order("longest_prefix_protected") == [1, 3, 0]  # the longest 25% kept
