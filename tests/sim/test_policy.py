@@ -140,3 +140,73 @@ def test_config_rejects_negative_weights() -> None:
         PolicyConfig(alpha=-1.0)
     with pytest.raises(ValueError, match="tau"):
         PolicyConfig(tau=-1)
+
+
+# -- fast paths and replicas ------------------------------------------------------------------
+
+
+def test_fast_paths_decide_exactly_as_the_snapshot_functions() -> None:
+    import random
+
+    from lumend.coordinator.policy import choose_holder_in, least_loaded_in, loads
+
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(400):
+        n = rng.randint(1, 9)
+        s = LoadSnapshot(
+            nodes=[f"n{rng.randint(0, 2)}" for _ in range(n)],
+            ckpt_bytes=[rng.choice([0.0, 1.0, 2.0]) * GIB for _ in range(n)],
+            queue=[rng.randint(0, 3) for _ in range(n)],
+            budget_bytes=[rng.choice([1.5, 2.5, math.inf]) * GIB for _ in range(n)],
+            alive=[rng.random() > 0.2 for _ in range(n)],
+        )
+        values = loads(s, CFG)
+        assert least_loaded_in(values) == least_loaded(s, CFG)
+        for serving in range(n):
+            kv = rng.choice([0.25, 1.0]) * GIB
+            expected = choose_holder(s, serving, kv, CFG)
+            assert choose_holder_in(values, s, serving, kv) == expected
+            checked += expected is not None
+    assert checked > 500  # the cases are not all "no holder"
+
+
+def test_dual_replicas_go_to_two_other_nodes_when_there_are_two() -> None:
+    from lumend.coordinator.policy import choose_holders
+
+    s = snap(("n0", 0.0, 0), ("n0", 0.0, 0), ("n1", 0.0, 3), ("n1", 0.0, 1), ("n2", 0.0, 2))
+    # First the least loaded away from n0 (3 on n1), then one on a node of neither (4 on n2),
+    # though worker 1 (the server's node) and 2 are idler or tied.
+    assert choose_holders(s, 0, 1.0, CFG, replicas=2) == [3, 4]
+    # Two nodes only: the second replica stays off the server's node (worker 2 over 1).
+    two = snap(("n0", 0.0, 0), ("n0", 0.0, 0), ("n1", 0.0, 3), ("n1", 0.0, 1))
+    assert choose_holders(two, 0, 1.0, CFG, replicas=2) == [3, 2]
+    # One node: any other worker; budgets still rule.
+    one = snap(("n0", 0.0, 0), ("n0", 0.0, 5), ("n0", 0.0, 1), budget=2 * GIB)
+    assert choose_holders(one, 0, 1.0 * GIB, CFG, replicas=2) == [2, 1]
+    assert choose_holders(one, 0, 3.0 * GIB, CFG, replicas=2) == []
+
+
+def test_replicated_placement_dispatches_by_mode() -> None:
+    from lumend.coordinator.policy import place_checkpoint_replicas
+
+    nodes = [("n0", 0.0, 0), ("n0", 0.0, 0), ("n1", 0.0, 9), ("n1", 0.0, 0), ("n2", 0.0, 0)]
+    s = snap(*nodes)
+    fixed = PolicyConfig(mode=Mode.fixed_checkpoint)
+    # Static chain: 0's neighbour is 2 (next node, same position), 2's is 4.
+    assert place_checkpoint_replicas(s, 0, 1.0, fixed, 2) == [2, 4]
+    assert place_checkpoint_replicas(s, 0, 1.0, fixed, 1) == [place_checkpoint(s, 0, 1.0, fixed)]
+    assert place_checkpoint_replicas(s, 0, 1.0, PolicyConfig(mode=Mode.stop_and_restart), 2) == []
+    assert place_checkpoint_replicas(s, 0, 1.0, CFG, 1) == [place_checkpoint(s, 0, 1.0, CFG)]
+    with pytest.raises(ValueError, match="replicas"):
+        place_checkpoint_replicas(s, 0, 1.0, CFG, 0)
+
+
+def test_interrupted_request_is_routed_against_its_least_loaded_live_replica() -> None:
+    from lumend.coordinator.policy import choose_replica
+
+    s = snap(("n0", 0.0, 0), ("n1", 0.0, 7), ("n1", 0.0, 2), ("n2", 0.0, 1), dead=(3,))
+    assert choose_replica(s, [1, 2], CFG) == 2
+    assert choose_replica(s, [3, 1], CFG) == 1  # the dead replica is skipped
+    assert choose_replica(s, [3], CFG) is None
+    assert choose_replica(s, [], CFG) is None
