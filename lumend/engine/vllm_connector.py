@@ -39,6 +39,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 from lumend.engine.sim_checkpoint import CheckpointPlan, parse_plan
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # Under "vllm." so that vLLM's logging configuration (handlers, level) applies here too.
@@ -120,6 +125,7 @@ class _Tracked:
     plan: CheckpointPlan
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # blocks 0..saved-1 are queued for saving (or were loaded)
+    incomplete: bool = False  # the worker lost a block of it (dropped or refused)
     load_from: int = 0  # first block to load (after the local prefix-cache hit)
     load_blocks: int = 0  # blocks to load before the first forward
 
@@ -164,8 +170,10 @@ class LumenConnector(KVConnectorBase_V1):
         self._block_dim = 0
         self._page_layout: PageLayout | None = None
         self._load_errors: set[int] = set()
-        self.counters = {"saved": 0, "dropped": 0, "loaded_blocks": 0, "load_failures": 0,
-                         "lookups": 0, "lookup_hits": 0}
+        # Counts since the last stats report (vLLM sums them into Prometheus counters).
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._incomplete: set[str] = set()  # worker: checkpoints that lost a block
+        self._reported_incomplete: set[str] = set()
         log.info("LumenConnector (%s) layout %s", role.name, self._fingerprint)
 
     # -- shared --------------------------------------------------------------------------
@@ -222,7 +230,6 @@ class LumenConnector(KVConnectorBase_V1):
         hashes = [bytes(h) for h in tracked.request.block_hashes]
         if not hashes:
             return 0
-        self.counters["lookups"] += 1
         streamer = self._streamer(tracked.plan.holder, self._scheduler_layout())
         matched = streamer.lookup(tracked.plan.ckpt_id, hashes, timeout_s=LOOKUP_TIMEOUT_S)
         if matched is None:
@@ -354,7 +361,7 @@ class LumenConnector(KVConnectorBase_V1):
             page = page.view(first.dtype).view(self._page_shape)
             for layer, layer_page in zip(self._kv_layers, page, strict=True):
                 self._block(layer, block_id).copy_(layer_page.to(layer.device))
-            self.counters["loaded_blocks"] += 1
+            self.counters["blocks_loaded"] += 1
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -374,11 +381,56 @@ class LumenConnector(KVConnectorBase_V1):
                 ckpt_id=save.plan.ckpt_id, request_id=save.request_id, worker=save.plan.worker,
                 block_index=save.block_index, block_hash=save.block_hash,
                 page=self._page(save.block_id), token_count=save.token_count)
-            self.counters["saved" if sent else "dropped"] += 1
+            self.counters["blocks_saved" if sent else "blocks_dropped"] += 1
+            progress = streamer.progress.get(save.plan.ckpt_id)
+            if progress is None or progress.dropped or progress.refused:
+                self._incomplete.add(save.plan.ckpt_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # -- statistics: Prometheus metrics in vLLM's /metrics ----------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data: dict[str, Any] = {k: v for k, v in self.counters.items() if v}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        if self.role == KVConnectorRole.WORKER:
+            for progress_owner in self._streamers.values():
+                for ckpt_id, progress in progress_owner.progress.items():
+                    if progress.refused:
+                        self._incomplete.add(ckpt_id)
+            fresh = self._incomplete - self._reported_incomplete
+            if fresh:
+                data["incomplete"] = sorted(fresh)
+                self._reported_incomplete |= fresh
+        else:
+            # Coverage: requests with a checkpoint plan, and those whose checkpoint lost no
+            # block so far (the worker reports losses; the scheduler sees every request).
+            data["ckpt_running"] = len(self._tracked)
+            data["ckpt_complete"] = sum(1 for t in self._tracked.values() if not t.incomplete)
+        return LumenConnectorStats(data=data) if data else None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stats = connector_output.kv_connector_stats
+        if stats is None:
+            return
+        lost = set(stats.data.get("incomplete", ()))
+        for tracked in self._tracked.values():
+            if tracked.plan.ckpt_id in lost:
+                tracked.incomplete = True
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return LumenConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return LumenPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -388,6 +440,73 @@ class LumenConnector(KVConnectorBase_V1):
         for streamer in self._streamers.values():
             streamer.close()
         self._streamers.clear()
+
+
+COUNTERS = ("blocks_saved", "blocks_dropped", "blocks_loaded", "load_failures", "lookup_hits")
+
+
+class LumenConnectorStats(KVConnectorStats):
+    """Counts (summed) and coverage gauges (the latest wins) on their way from the worker
+    and scheduler sides to the API server's Prometheus metrics."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if key in COUNTERS:
+                self.data[key] = self.data.get(key, 0) + value
+            elif key == "incomplete":
+                self.data[key] = sorted(set(self.data.get(key, ())) | set(value))
+            else:
+                self.data[key] = value
+        return self
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in self.data.items() if isinstance(v, int | float)}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class LumenPromMetrics(KVConnectorPromMetrics):
+    """`lumen:ckpt_requests_running` / `lumen:ckpt_requests_complete` (what lumend reads as
+    checkpoint coverage) and block counters, labelled like vLLM's own metrics."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        gauge: Any = self._gauge_cls
+        counter: Any = self._counter_cls
+        self._gauges = {
+            "ckpt_running": self._per_engine(gauge(
+                name="lumen:ckpt_requests_running", labelnames=labelnames,
+                documentation="Requests in this engine with a LUMEN checkpoint plan.",
+                multiprocess_mode="mostrecent")),
+            "ckpt_complete": self._per_engine(gauge(
+                name="lumen:ckpt_requests_complete", labelnames=labelnames,
+                documentation="Of those, requests whose checkpoint lost no block so far.",
+                multiprocess_mode="mostrecent")),
+        }
+        self._counters = {
+            key: self._per_engine(counter(
+                name=f"lumen:ckpt_{key}", labelnames=labelnames,
+                documentation=f"LUMEN checkpoint {key.replace('_', ' ')}."))
+            for key in COUNTERS
+        }
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values)
+                for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, gauges in self._gauges.items():
+            if key in transfer_stats_data:
+                gauges[engine_idx].set(transfer_stats_data[key])
+        for key, counters in self._counters.items():
+            if transfer_stats_data.get(key):
+                counters[engine_idx].inc(transfer_stats_data[key])
 
 
 def _curve_kwargs() -> dict[str, Any]:
