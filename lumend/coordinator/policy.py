@@ -180,15 +180,20 @@ def choose_holder_in(
     """
     nodes = tuple(snapshot.nodes)
     ckpt, budget = snapshot.ckpt_bytes, snapshot.budget_bytes
-    if not exclude:
-        # Fast path: the least loaded worker on another node, if its budget fits. min() over
-        # ascending indices returns the lowest index among ties, as _argmin does.
-        away = _other_node_indices(nodes, serving)
-        if away:
-            best = min(away, key=values.__getitem__)
-            if values[best] != math.inf and ckpt[best] + kv_bytes <= budget[best]:
-                return best
     inf = math.inf
+    if not exclude:
+        # Fast path (C-level scans): the least loaded worker on another node, lowest index
+        # among ties as _argmin, if its budget fits.
+        home = _same_node_indices(nodes, serving)
+        if len(home) < len(values):
+            masked = values.copy()
+            for i in home:
+                masked[i] = inf
+            low = min(masked)
+            if low != inf:
+                best = masked.index(low)
+                if ckpt[best] + kv_bytes <= budget[best]:
+                    return best
     fits = [v if h + kv_bytes <= b else inf
             for v, h, b in zip(values, ckpt, budget, strict=True)]
     fits[serving] = inf
@@ -224,9 +229,9 @@ def choose_holders(
 
 
 @functools.lru_cache(maxsize=1024)
-def _other_node_indices(nodes: tuple[str, ...], serving: int) -> tuple[int, ...]:
+def _same_node_indices(nodes: tuple[str, ...], serving: int) -> tuple[int, ...]:
     home = nodes[serving]
-    return tuple(i for i, node in enumerate(nodes) if node != home)
+    return tuple(i for i, node in enumerate(nodes) if node == home)
 
 
 @functools.lru_cache(maxsize=1024)
