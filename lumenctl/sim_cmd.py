@@ -64,7 +64,19 @@ def sim(
     fail_at: float | None = typer.Option(None, "--fail-at", help="Fault time, s (default 300)."),
     policy: str = typer.Option(
         "all", "--policy", help="A policy, a comma-separated list, 'all' (the three main "
-        "ones) or 'ablation' (LUMEN's mechanisms alone and in pairs)."),
+        "ones), 'ablation' (LUMEN's mechanisms alone and in pairs) or 'extended' (with "
+        "shadow engines and dual-replica checkpoints)."),
+    shadows: bool = typer.Option(
+        False, "--shadows", help="Every worker has a shadow engine: a crashed engine is "
+        "replaced in 0.5 s (not a lost node)."),
+    replicas: int = typer.Option(1, "--replicas", min=1, max=2,
+                                 help="Checkpoint copies per request (2: dual replica)."),
+    eviction: str = typer.Option(
+        "lru", "--eviction", help="A full holder's eviction: lru, shortest_prefix, "
+        "longest_prefix_protected or refuse (lumend's [checkpoint] eviction)."),
+    detect: float | None = typer.Option(
+        None, "--detect", help="Seconds until a failure is noticed (default: 0.1 for an "
+        "engine crash, the supervisor's tick; 10 for a lost host, the lease TTL)."),
     theta: float | None = typer.Option(None, "--theta", help="Algorithm 2 load threshold."),
     tau: int | None = typer.Option(None, "--tau", help="Algorithm 2 prefix threshold, blocks."),
     budget: float | None = typer.Option(
@@ -122,6 +134,9 @@ def sim(
             gpu=gpu or (sc.gpu if sc else base.gpu),
             policy=pol, fault=fault, seed=seed,
             budget_bytes=budget * GIB if budget is not None else base.budget_bytes,
+            shadows=shadows, replicas=replicas, eviction=eviction,
+            crash_detect_s=detect if detect is not None else base.crash_detect_s,
+            host_detect_s=detect if detect is not None else base.host_detect_s,
         )
         if budget is not None and budget < 0:
             raise ValueError(f"--budget must be >= 0 GiB, got {budget}")
@@ -210,6 +225,8 @@ def _document(scenario: str | None, cfg: SimConfig, workload: Workload,
         "requests": len(workload), "rate_rps": round(workload.rate(), 3),
         "theta": cfg.policy.theta, "tau": cfg.policy.tau,
         "budget_gib": cfg.budget_bytes / (1 << 30), "seed": cfg.seed,
+        "eviction": cfg.eviction, "crash_detect_s": cfg.crash_detect_s,
+        "host_detect_s": cfg.host_detect_s,
         "policies": policies, "comparisons": comparisons,
     }
 

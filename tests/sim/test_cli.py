@@ -53,3 +53,20 @@ def test_usage_errors_exit_2() -> None:
     assert model.returncode == 2 and "unknown model 'gpt-9'" in model.stderr
     policy = lumenctl("sim", "--synthetic", "--policy", "magic")
     assert policy.returncode == 2 and "unknown policy 'magic'" in policy.stderr
+
+
+def test_extended_policies_and_mechanism_options() -> None:
+    done = lumenctl("sim", *TINY, "--policy", "extended", "--eviction", "shortest_prefix",
+                    "--budget", "0.3", "--detect", "2", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert [p["policy"] for p in doc["policies"]] == [
+        "stop_and_restart", "fixed_checkpoint", "lumen", "shadow_only", "lumen_shadow",
+        "lumen_dual", "lumen_shadow_dual"]
+    assert doc["eviction"] == "shortest_prefix" and doc["crash_detect_s"] == 2.0
+    by_name = {p["policy"]: p for p in doc["policies"]}
+    assert by_name["lumen"]["detected_after_s"] == 2.0
+    assert by_name["lumen_shadow"]["back_after_s"] == 2.0  # detection after the 0.5 s takeover
+    assert by_name["lumen"]["evictions"] > 0
+    bad = lumenctl("sim", *TINY, "--eviction", "fifo")
+    assert bad.returncode == 2 and "unknown eviction policy 'fifo'" in bad.stderr
