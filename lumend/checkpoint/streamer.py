@@ -232,9 +232,59 @@ class CheckpointStreamer:
             return None
         return FetchedPage(reply.header, reply.payload)
 
-    def _call(self, header: Header, timeout_s: float) -> wire.Message | None:
+    def get_many(self, ckpt_id: str, hashes: Sequence[bytes | str], *,
+                 tp_rank: int | None = None, window: int = 16,
+                 timeout_s: float = 1.0) -> list[FetchedPage]:
+        """The pages of `hashes`, in order, up to the first one missing or unanswered, with
+        up to `window` GETs in flight (one round trip per page would bound a resume by the
+        latency, not the bandwidth). `timeout_s` bounds the wait for each next reply."""
+        rank = self.layout.tp_rank if tp_rank is None else tp_rank
+        rpc = self._rpc_socket()
+        pending: dict[int, int] = {}  # seq -> index into hashes
+        pages: dict[int, FetchedPage] = {}
+        limit = len(hashes)  # the first index known missing (nothing after it is useful)
+        sent = 0
+        while True:
+            while sent < limit and len(pending) < window:
+                seq = next(self._seq)
+                try:
+                    rpc.send(wire.encode_header(wire.request(
+                        wire.GET, seq=seq, ckpt_id=ckpt_id, block_hash=hashes[sent],
+                        tp_rank=rank, tp_size=self.layout.tp_size)), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # the queue is full: collect replies first
+                pending[seq] = sent
+                sent += 1
+            if not any(i < limit for i in pending.values()):
+                break
+            if not rpc.poll(int(timeout_s * 1000) + 1, zmq.POLLIN):
+                break
+            parts = rpc.recv_multipart(copy=False)
+            try:
+                message = wire.decode(parts)
+            except WireError as exc:
+                self._count_error(exc.reason)
+                continue
+            index = pending.pop(message.header.seq, None)
+            if index is None:
+                continue  # a reply to an earlier call that timed out
+            if message.header.op == wire.ACK and message.payload is not None:
+                pages[index] = FetchedPage(message.header, message.payload)
+            else:
+                limit = min(limit, index)
+        prefix: list[FetchedPage] = []
+        while len(prefix) < limit and len(prefix) in pages:
+            prefix.append(pages[len(prefix)])
+        return prefix
+
+    def _rpc_socket(self) -> zmq.Socket[Any]:
         if self._rpc is None:
-            self._rpc = self._socket(sndhwm=16, immediate=False)
+            self._rpc = self._socket(sndhwm=64, immediate=False)
+        return self._rpc
+
+    def _call(self, header: Header, timeout_s: float) -> wire.Message | None:
+        self._rpc_socket()
+        assert self._rpc is not None
         seq = next(self._seq)
         header = msgspec.structs.replace(header, seq=seq)
         deadline = time.monotonic() + timeout_s

@@ -68,7 +68,9 @@ def kv_page(block_hash: bytes, page_bytes: int) -> bytes:
     """The KV page of a block: bytes derived from its chained hash, so a restored page can
     be checked byte by byte against what the engine would have computed."""
     digest = hashlib.blake2b(block_hash, digest_size=64).digest()
-    return (digest * (page_bytes // 64 + 1))[:page_bytes]
+    whole, rest = divmod(page_bytes, 64)
+    # One allocation of the page (no oversized copy to cut): this runs for every saved block.
+    return digest * whole + digest[:rest] if rest else digest * whole
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,10 @@ class SimRequest:
     def new_full_blocks(self, seed: int) -> list[tuple[int, bytes]]:
         """Blocks that became full since the last call: (index, chained hash)."""
         start = len(self.chain)
+        computed = (self.prefilled if self.prefilled < len(self.prompt)
+                    else len(self.prompt) + max(0, len(self.output) - 1))
+        if computed // BLOCK_SIZE <= start:
+            return []  # called every step for every saving request: skip the token copy
         fresh = block_hashes(seed, self.computed_tokens(), start,
                              self.chain[-1] if self.chain else b"")
         self.chain.extend(fresh)

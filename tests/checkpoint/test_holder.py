@@ -52,6 +52,25 @@ def test_pages_stream_in_and_come_back_byte_identical(holder: RunningHolder,
     assert (stats.bytes_held, stats.requests) == (4 * PAGE, 1)
 
 
+def test_get_many_fetches_the_held_prefix_with_gets_in_flight(
+    holder: RunningHolder, make_streamer: MakeStreamer,
+) -> None:
+    s = make_streamer(holder.endpoint)
+    stream(s, "c1", range(40))
+    chain = [block_hash("c1", i) for i in range(40)]
+    pages = s.get_many("c1", chain, window=8)
+    assert [bytes(p.data) for p in pages] == [page(i) for i in range(40)]
+    assert [p.header.block_index for p in pages] == list(range(40))
+    # A page the holder lacks ends the prefix, wherever it is in the window.
+    gap = [*chain[:10], block_hash("other", 0), *chain[11:]]
+    assert len(s.get_many("c1", gap, window=8)) == 10
+    assert s.get_many("c1", [block_hash("other", 0), *chain], window=8) == []
+    # Replies to the GETs given up on do not confuse later calls.
+    assert s.lookup("c1", chain) == 40
+    assert [bytes(p.data) for p in s.get_many("c1", chain[5:8], window=1)] == [
+        page(i) for i in range(5, 8)]
+
+
 def test_finish_frees_the_pages(holder: RunningHolder, make_streamer: MakeStreamer) -> None:
     s = make_streamer(holder.endpoint)
     stream(s, "c1", range(3))

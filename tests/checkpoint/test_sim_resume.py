@@ -5,6 +5,7 @@ computes only the tail, continuing exactly as the failure-free run would have.""
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 
 from lumenctl.localcluster import free_ports, stop_process
 from lumend.checkpoint.streamer import CheckpointStreamer
-from lumend.engine.sim_checkpoint import SimCheckpointer
+from lumend.engine.sim_checkpoint import SimCheckpointer, is_kv_page
 from lumend.engine.sim_core import (
     BLOCK_SIZE,
     block_hashes,
@@ -161,3 +162,20 @@ def test_corrupted_pages_are_not_used(
     assert c.metric("lumen_sim_restore_mismatches_total") == 1
     assert c.metric("lumen_sim_restored_tokens_total") == bad * BLOCK_SIZE
     assert c.metric("lumen_sim_prefill_tokens_total") == len(encode(PROMPT)) - bad * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("page_bytes", [64, 1000, 16 * 16 * 1024])
+def test_the_page_check_is_a_byte_for_byte_comparison(page_bytes: int) -> None:
+    """`is_kv_page` (no expected page built) agrees with comparing against `kv_page`."""
+    rng = random.Random(page_bytes)
+    h = block_hashes(0, encode(PROMPT))[0]
+    good = kv_page(h, page_bytes)
+    assert is_kv_page(memoryview(good), h, page_bytes)
+    other = block_hashes(0, encode(PROMPT))[1]
+    assert not is_kv_page(memoryview(kv_page(other, page_bytes)), h, page_bytes)
+    assert not is_kv_page(memoryview(good[:-1]), h, page_bytes)
+    assert not is_kv_page(memoryview(good[1:] + good[:1]), h, page_bytes)  # shifted by one
+    for _ in range(50):
+        bad = bytearray(good)
+        bad[rng.randrange(page_bytes)] ^= 1 << rng.randrange(8)
+        assert not is_kv_page(memoryview(bytes(bad)), h, page_bytes)
