@@ -61,6 +61,10 @@ class SimConfig:
     budget_bytes: float = 64 * GIB          # host memory per worker for peers' checkpoints
     link_bytes_per_s: float = 12.5e9        # checkpoint stream out of each worker (100 GbE)
     restore_bytes_per_s: float = 25e9       # host -> GPU when resuming from a checkpoint
+    # False (the product's connector): pages load inside the step that schedules the resumed
+    # request, stalling the holder's batch. True: loads run beside the engine, concurrent
+    # ones sharing the holder's bandwidth, and the request queues when its pages are in.
+    restore_async: bool = False
     disk_bytes_per_s: float = 2e9           # weight loading (plain safetensors)
     init_s: float = 20.0                    # engine init after the weights are read
     draft_init_s: float = 5.0

@@ -71,6 +71,7 @@ class Req:
         "holders",
         "interrupted_at",
         "join_step",
+        "load_bytes",
         "output",
         "prompt",
         "replay_first",
@@ -106,6 +107,7 @@ class Req:
         self.resumed = False         # resumed from a checkpoint (vs recomputed)
         self.ckpt_by: list[tuple[int, int]] = []  # (holder, usable tokens) at the fault
         self.ckpt_tokens = 0         # the best of those
+        self.load_bytes = 0.0        # checkpoint bytes to load when next scheduled (resumed)
         self.resident_at_fault = 0.0
 
 
@@ -494,10 +496,22 @@ class Simulation:
         free = w.kv_cap - w.kv_used - nrun * gain
         chunks: list[tuple[Req, int]] = []
         prefill = 0
+        load = 0.0
         max_batch = self.max_batch
         for r in w.queue:
             if budget <= 0 or seqs >= max_batch or free < 1:
                 break
+            if r.load_bytes:
+                # A resumed request's pages load inside the step that schedules it (the
+                # connector's start_load_kv is synchronous): the whole batch waits.
+                if r.ctx + 1 > free:  # no room for its pages: recompute them instead
+                    r.todo += int(r.ctx)
+                    r.ctx = 0.0
+                else:
+                    load += r.load_bytes
+                    free -= r.ctx
+                    w.kv_used += r.ctx
+                r.load_bytes = 0.0
             take = r.todo
             if take > budget:
                 take = budget
@@ -514,6 +528,8 @@ class Simulation:
             w.state = STEP
             dt = (self.a + self.b * prefill + self.c * prefill * prefill + self.d * nrun
                   + self.e * w.ctx_sum) / w.speed
+            if load:
+                dt += load / self.cfg.restore_bytes_per_s
             if nrun and w.assisted_by >= 0:
                 dt += self._assist_extra(w, nrun)
             w.version += 1
@@ -876,9 +892,14 @@ class Simulation:
             self._touch(w.idx)
             # It now runs on its holder: the checkpoint moves to new holders, whole context.
             self._set_holders(r, w.idx, float(total), now, stream=True)
-            w.restoring.add(r)
-            w.restores.add(now, tokens * self.kvb, (r, r.epoch))
-            self._schedule_restores(w)
+            if self.cfg.restore_async:
+                w.restoring.add(r)
+                w.restores.add(now, tokens * self.kvb, (r, r.epoch))
+                self._schedule_restores(w)
+            else:
+                r.load_bytes = tokens * self.kvb
+                w.queue.append(r)
+                self._poke(w, now)
             return
         r.todo = total
         self._place(r, route.worker, now)

@@ -142,7 +142,10 @@ def test_worker_failure_interrupts_its_requests_and_the_worker_comes_back() -> N
 
 
 def test_checkpoints_let_interrupted_requests_resume() -> None:
-    fixed = run("fixed_checkpoint", FaultKind.worker)
+    # Pages loaded beside the engine (restore_async): resuming beats recomputing. With the
+    # product's synchronous loads see test_mechanisms (the holder's batch waits).
+    fixed = simulate(loaded_workload(),
+                     config("fixed_checkpoint", FaultKind.worker, restore_async=True))
     interrupted = [r for r in fixed.requests if r.interrupted_at >= 0]
     assert interrupted and all(r.resumed for r in interrupted)
     assert all(r.ckpt_tokens > 0 for r in interrupted)

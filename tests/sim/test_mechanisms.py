@@ -209,10 +209,12 @@ def test_two_servers_streaming_into_one_holder_lose_more_checkpoint() -> None:
     assert cov(3, 100e9) > 0.95
 
 
-def test_concurrent_restores_from_one_holder_share_its_bandwidth() -> None:
+@pytest.mark.parametrize("restore_async", [False, True])
+def test_concurrent_restores_from_one_holder_share_its_bandwidth(restore_async: bool) -> None:
     # Fixed checkpointing resumes all of worker 0's requests on its neighbour (worker 2).
     bw = 1e9
-    result = sim("fixed_checkpoint", FaultKind.worker, restore_bytes_per_s=bw)
+    result = sim("fixed_checkpoint", FaultKind.worker, restore_bytes_per_s=bw,
+                 restore_async=restore_async)
     resumed = [r for r in interrupted(result) if r.resumed]
     assert len(resumed) > 20
     kvb = load_cost_model(MODEL, GPU).model.kv_bytes_per_token
@@ -263,3 +265,17 @@ def test_eviction_order_follows_the_holders_policies() -> None:
     assert victims_order("lru") == [2, 1, 0, 3]                 # oldest placement first
     assert victims_order("shortest_prefix") == [1, 3, 0, 2]     # shortest first
     assert victims_order("longest_prefix_protected") == [1, 3, 0]  # the longest 25% kept
+
+
+def test_synchronous_restores_stall_the_holder_so_spreading_them_pays() -> None:
+    def replay(policy_name: str, restore_async: bool) -> float:
+        result = sim(policy_name, FaultKind.worker, restore_async=restore_async)
+        return mean([r.replay_first - r.interrupted_at for r in interrupted(result)])
+
+    # Every resume on one holder: loading inside its steps makes the replays slower.
+    assert replay("fixed_checkpoint", False) > 1.2 * replay("fixed_checkpoint", True)
+    # LUMEN's load-aware holders spread the loads; it beats fixed checkpointing here ...
+    assert replay("lumen", False) < replay("fixed_checkpoint", False)
+    # ... by more than when loads do not stall (negative control for the mechanism).
+    assert (replay("fixed_checkpoint", False) - replay("lumen", False)
+            > replay("fixed_checkpoint", True) - replay("lumen", True))
