@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lumend.sim.config import SimConfig, apply_policy
-from lumend.sim.engine import simulate
+from lumend.sim.engine import SimResult, simulate
 from lumend.sim.metrics import PolicyMetrics, Timeline, summarize
 from lumend.sim.workload import Workload
 
@@ -21,11 +21,27 @@ class PolicyRun:
     wall_s: float  # both runs (faulted and reference)
 
 
-def run_policy(workload: Workload, cfg: SimConfig, name: str) -> PolicyRun:
+def reference_config(cfg: SimConfig) -> SimConfig:
+    """The failure-free run of `cfg`, with what only recovery uses normalised, so policies
+    that differ only in recovery (routing, assist, shadows) share one reference run."""
+    ref = cfg.without_fault()
+    return replace(ref, shadows=False,
+                   policy=replace(ref.policy, adaptive_routing=False, draft_assist=False))
+
+
+def run_policy(workload: Workload, cfg: SimConfig, name: str,
+               references: dict[SimConfig, SimResult] | None = None) -> PolicyRun:
+    """The faulted run of policy `name` beside its failure-free reference (taken from and
+    added to `references` when given)."""
     started = time.perf_counter()
     policy_cfg = apply_policy(cfg, name)
     faulted = simulate(workload, policy_cfg)
-    reference = simulate(workload, policy_cfg.without_fault())
+    key = reference_config(policy_cfg)
+    reference = references.get(key) if references is not None else None
+    if reference is None:
+        reference = simulate(workload, key)
+        if references is not None:
+            references[key] = reference
     metrics, timeline = summarize(name, faulted, reference, cfg.window_s, cfg.bin_s)
     return PolicyRun(metrics, timeline, time.perf_counter() - started)
 
@@ -35,8 +51,9 @@ def run_policies(
     on_done: Callable[[PolicyRun], None] | None = None,
 ) -> list[PolicyRun]:
     runs = []
+    references: dict[SimConfig, SimResult] = {}
     for name in names:
-        run = run_policy(workload, cfg, name)
+        run = run_policy(workload, cfg, name, references)
         runs.append(run)
         if on_done is not None:
             on_done(run)

@@ -279,3 +279,20 @@ def test_synchronous_restores_stall_the_holder_so_spreading_them_pays() -> None:
     # ... by more than when loads do not stall (negative control for the mechanism).
     assert (replay("fixed_checkpoint", False) - replay("lumen", False)
             > replay("fixed_checkpoint", True) - replay("lumen", True))
+
+
+def test_policies_differing_only_in_recovery_share_one_reference_run() -> None:
+    from lumend.sim.runner import reference_config, run_policies
+
+    cfg = config("lumen", FaultKind.worker)
+    shared = run_policies(workload(), cfg, ["lumen", "lumen_shadow"])
+    alone = run_policy(workload(), cfg, "lumen_shadow").metrics
+    assert shared[1].metrics == alone
+    assert shared[0].metrics.baseline_mean_ttft_s == alone.baseline_mean_ttft_s
+
+    def key(name: str) -> SimConfig:
+        return reference_config(apply_policy(cfg, name))
+
+    assert key("lumen") == key("lumen_shadow") == key("lumen-placement")
+    # Placement changes the failure-free run: those keep their own.
+    assert key("lumen_dual") != key("lumen") != key("fixed_checkpoint")
