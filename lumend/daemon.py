@@ -19,7 +19,7 @@ from lumend.cluster.models import CheckpointUsage, WorkerRecord
 from lumend.cluster.store import EtcdStore, TlsFiles
 from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
-from lumend.failover.intents import FailoverIntents
+from lumend.failover.intents import DrainStates, FailoverIntents
 from lumend.failover.supervisor import WorkerSupervisor
 from lumend.gateway.server import Gateway, GatewayBindError
 from lumend.metrics import (
@@ -143,6 +143,8 @@ class Node:
         )
         self.intents = FailoverIntents(config.node.name, self.store, Keys(config.etcd.cluster),
                                        self.supervisors, lambda: self.agent.view)
+        self.drains = DrainStates(config.node.name, self.store, Keys(config.etcd.cluster),
+                                  lambda: self.agent.view, self.workers)
         # gRPC: the Agent service, the Coordinator service while elected, the gateway's link
         # to the coordinator and the holder's progress stream (lumend/rpc/plane.py).
         self.plane = ControlPlane(config, self.agent, self.holder, self.workers,
@@ -164,7 +166,7 @@ class Node:
                 record = msgspec.structs.replace(record, checkpoints=CheckpointUsage(
                     bytes_held=usage.bytes_held, budget_bytes=usage.budget_bytes,
                     requests=usage.requests))
-            records.append(self.plane.decorate(record))
+            records.append(self.drains.decorate(self.plane.decorate(record)))
         return records
 
     def status_text(self) -> str:
@@ -211,6 +213,7 @@ class Node:
             asyncio.create_task(self.link.run(stop), name="systemd-link"),
             asyncio.create_task(self._reloads(stop, reload_requested), name="reload"),
             asyncio.create_task(self.intents.run(stop), name="failover-intents"),
+            asyncio.create_task(self.drains.run(stop), name="drain-states"),
             asyncio.create_task(self.plane.run(stop), name="checkpoint-progress"),
             asyncio.create_task(self.holder.run(stop), name="checkpoint-holder"),
             *(asyncio.create_task(s.run(stop), name=f"supervisor-{name}")

@@ -88,7 +88,9 @@ class _Table:
 
 
 def eligible(view: ClusterView, worker: WorkerRecord) -> bool:
-    """Serving, registered, with engines, and not drained."""
+    """Serving, registered, with engines, and not drained: only such a worker is admitted
+    to, holds new checkpoints or takes an interrupted request. A drain intent counts from
+    the moment it is in the view, before the worker's node publishes it as draining."""
     return (worker.state == "serving" and worker.node in view.nodes and bool(worker.engines)
             and not any(i.kind == "drain" for i in view.intents_for(worker)))
 
@@ -207,7 +209,12 @@ class CoordinatorService:
         else:
             why = (f"holder {checkpoint.holder} L_hat {table.load(holder):.3g} "
                    f"(theta {table.cfg.theta:g}), prefix {blocks} blocks (tau {table.cfg.tau})")
-        reason = f"{kind} on {worker.name} after {ask.failed_worker} failed: {why}"
+        # A drain --migrate moves requests off a worker that still runs, the same way.
+        left = ("is drained" if failed is not None and any(
+            i.kind == "drain" for i in view.intents_for(failed)) else "failed")
+        if left == "is drained":
+            self.decisions["migrate"] += 1
+        reason = f"{kind} on {worker.name} after {ask.failed_worker} {left}: {why}"
         log.info("recovery of %s: %s", ask.request_id, reason)
         return Recovery(self.epoch, target_of(worker), route.resume, reason, mode)
 

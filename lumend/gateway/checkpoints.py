@@ -35,7 +35,8 @@ def _snapshot(view: ClusterView, down: str | None) -> tuple[list[str], LoadSnaps
         WorkerLoad(name=w.name, node=w.node, ckpt_bytes=float(w.checkpoints.bytes_held),
                    queue=w.load.running + w.load.waiting,
                    budget_bytes=float(w.checkpoints.budget_bytes),
-                   alive=w.state == "serving" and w.name != down)
+                   alive=w.state == "serving" and w.name != down
+                   and not any(i.kind == "drain" for i in view.intents_for(w)))
         for w in workers
     ])
     return names, snapshot

@@ -4,7 +4,9 @@ It proxies a completion to a serving worker and remembers the text it has passed
 the upstream breaks (connection lost, engine gone, no token within the deadline) it resumes
 on a worker that serves (the same worker's shadow if it has taken over, else the least
 loaded other one), sending the prompt plus that text, so the client receives one stream:
-same `id`, no token twice, none missing. Where a request starts, where its checkpoint goes
+same `id`, no token twice, none missing. A stream on a worker under a `drain --migrate`
+intent moves the same way, except that the old stream stays open until the new one has
+produced a token. Where a request starts, where its checkpoint goes
 and where an interrupted one continues are the coordinator's decisions (Admit, Recover);
 when it cannot answer, this gateway decides locally and counts that as degraded.
 """
@@ -12,7 +14,6 @@ when it cannot answer, this gateway decides locally and counts that as degraded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -29,8 +30,14 @@ from lumend.cluster.view import ClusterView
 from lumend.config import parse_listen
 from lumend.gateway.checkpoints import Placement, place, route
 from lumend.gateway.coordinator import CoordinatorLink
-from lumend.gateway.routing import Target, choose_worker, models
-from lumend.gateway.upstream import EngineRefused, StreamBroken, resume_body, stream_from
+from lumend.gateway.routing import Target, choose_worker, drained, models
+from lumend.gateway.upstream import (
+    EngineRefused,
+    MigrateAway,
+    StreamBroken,
+    Upstream,
+    resume_body,
+)
 from lumend.rpc.messages import CheckpointRef, RecoverAsk
 from lumend.rpc.messages import Target as RpcTarget
 
@@ -45,6 +52,7 @@ class GatewayCounters:
     resumes: int = 0
     rejected: Counter[str] = field(default_factory=Counter)  # by reason
     routed: Counter[str] = field(default_factory=Counter)  # recovery decisions: resume/recompute
+    migrations: int = 0  # streams moved off a worker under a drain --migrate intent
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,8 @@ class GatewayTiming:
     token_deadline_s: float = 30.0  # no token for this long: the upstream is broken
     recover_within_s: float = 120.0  # give up resuming a request after this long
     retry_pause_s: float = 0.05
+    migrate_check_s: float = 0.1  # how often streams are checked against drain intents
+    migrate_retry_s: float = 1.0  # a stream that could not move is asked again after this
 
 
 class GatewayBindError(Exception):
@@ -92,6 +102,8 @@ class Gateway:
         self.in_flight: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._upstreams: set[Upstream] = set()  # open engine streams, for migrations
+        self._watcher: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -119,9 +131,13 @@ class Gateway:
                                         sock_read=self.timing.token_deadline_s)
         self._session = aiohttp.ClientSession(timeout=timeout)
         self._runner = runner
+        self._watcher = asyncio.create_task(self._watch_migrations(), name="gateway-migrations")
         log.info("gateway serving the OpenAI API on http://%s", listen)
 
     async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.wait({self._watcher})
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -182,7 +198,7 @@ class Gateway:
     async def _drive(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
                      on_piece: Callable[[str, str | None], Any]) -> None:
         assert self._session is not None
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        path = path_of(chat)
         max_tokens = int(body.get("max_tokens", 16))
         model = body.get("model")
         give_up_at = time.monotonic() + self.timing.recover_within_s
@@ -211,27 +227,24 @@ class Gateway:
                 log.info("resuming a request on %s after %d tokens", target.worker,
                          progress.tokens)
             progress.workers.append(target.worker)
-            upstream = resume_body(body, chat, progress.text, max_tokens - progress.tokens)
-            upstream.setdefault("model", target.model)
+            upstream_body = resume_body(body, chat, progress.text, max_tokens - progress.tokens)
+            upstream_body.setdefault("model", target.model)
             if placement is not None:
                 resuming = (routed is not None and routed.worker == target.worker
                             and placement.worker == target.worker)
                 if resuming or not progress.tokens:
-                    upstream["kv_transfer_params"] = placement.params(
+                    upstream_body["kv_transfer_params"] = placement.params(
                         "resume" if resuming else "save")
             routed = None
-            self.in_flight[target.worker] += 1
+            upstream = self._open(target, path, upstream_body)
             try:
-                pieces = stream_from(self._session, target.urls, path, upstream)
-                async with contextlib.aclosing(pieces):  # closes the upstream if we stop early
-                    async for piece in pieces:
-                        if piece.text:
-                            progress.text += piece.text
-                            progress.tokens += 1
-                        if piece.finish_reason:
-                            progress.finish_reason = piece.finish_reason
-                        await on_piece(piece.text, piece.finish_reason)
-                return
+                while True:
+                    try:
+                        await self._forward(upstream, progress, on_piece)
+                        return
+                    except MigrateAway:
+                        upstream, target, placement = await self._move(
+                            rid, body, chat, progress, placement, upstream, target)
             except EngineRefused:
                 exclude.add(target.worker)
                 broken_worker = None
@@ -242,10 +255,107 @@ class Gateway:
                 prefix = len(progress.text) + self._prompt_chars(body, chat)
                 routed = await self._recovery(rid, model, placement, target.worker, prefix)
             finally:
-                self.in_flight[target.worker] -= 1
+                await self._close(upstream)
             if time.monotonic() > give_up_at:
                 raise ApiError(503, "the request could not be resumed in time", "unavailable")
             await asyncio.sleep(self.timing.retry_pause_s)
+
+    def _open(self, target: Target, path: str, body: dict[str, Any]) -> Upstream:
+        assert self._session is not None
+        upstream = Upstream(target.worker, self._session, target.urls, path, body)
+        self._upstreams.add(upstream)
+        self.in_flight[target.worker] += 1
+        return upstream
+
+    async def _close(self, upstream: Upstream) -> None:
+        if upstream in self._upstreams:
+            self._upstreams.discard(upstream)
+            self.in_flight[upstream.worker] -= 1
+        await upstream.close()
+
+    @staticmethod
+    async def _forward(upstream: Upstream, progress: Progress,
+                       on_piece: Callable[[str, str | None], Any]) -> None:
+        async for piece in upstream.pieces():
+            if piece.text:
+                progress.text += piece.text
+                progress.tokens += 1
+            if piece.finish_reason:
+                progress.finish_reason = piece.finish_reason
+            await on_piece(piece.text, piece.finish_reason)
+
+    async def _move(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
+                    placement: Placement | None, old: Upstream, old_target: Target
+                    ) -> tuple[Upstream, Target, Placement | None]:
+        """Migrate a request off a draining worker, as a recovery would move it (Recover:
+        resume on its checkpoint holder, or recompute), but make-before-break: the old
+        stream is closed only once the new one has produced a token. Returns the upstream
+        to read on, its target and the request's checkpoint placement; when the move cannot
+        happen, the old ones (the request finishes where it is)."""
+        model = body.get("model")
+        left = int(body.get("max_tokens", 16)) - progress.tokens
+        if left < 1:  # the old stream is about to end anyway
+            old.stay(self.timing.migrate_retry_s)
+            return old, old_target, placement
+        mode: str | None = None
+        new_placement = placement
+        new_target: Target | None = None
+        if progress.tokens:
+            prefix = len(progress.text) + self._prompt_chars(body, chat)
+            new_target = await self._recovery(rid, model, placement, old.worker, prefix)
+            if (new_target is not None and placement is not None
+                    and placement.worker == new_target.worker):
+                mode = "resume"
+        if new_target is None:
+            # Nothing generated yet (or nowhere to resume): start afresh elsewhere, with a
+            # checkpoint of its own (the old stream frees its checkpoint when it closes).
+            new_target, offered = await self._choose(rid, model, {old.worker}, None,
+                                                     want_placement=True)
+            if offered is not None and new_target is not None and not progress.tokens:
+                new_placement, mode = offered, "save"
+        if new_target is None or new_target.worker == old.worker:
+            log.info("request %s stays on %s until it ends: no other worker serves it",
+                     rid, old.worker)
+            old.stay(self.timing.migrate_retry_s)
+            return old, old_target, placement
+        upstream_body = resume_body(body, chat, progress.text, left)
+        upstream_body.setdefault("model", new_target.model)
+        if mode is not None and new_placement is not None:
+            upstream_body["kv_transfer_params"] = new_placement.params(mode)
+        new = self._open(new_target, path_of(chat), upstream_body)
+        try:
+            problem = await new.started()
+        except BaseException:
+            await self._close(new)
+            raise
+        if problem is not None:
+            await self._close(new)
+            log.warning("request %s stays on %s: %s did not start it (%s)", rid, old.worker,
+                        new_target.worker, problem)
+            old.stay(self.timing.migrate_retry_s)
+            return old, old_target, placement
+        await self._close(old)
+        self.counters.migrations += 1
+        progress.workers.append(new_target.worker)
+        log.info("migrated request %s from %s to %s after %d tokens (%s)", rid, old.worker,
+                 new_target.worker, progress.tokens,
+                 "resumed from its checkpoint" if mode == "resume" else "recomputed")
+        return new, new_target, new_placement
+
+    async def _watch_migrations(self) -> None:
+        """Tell the streams on workers under a drain --migrate intent to move."""
+        while True:
+            await asyncio.sleep(self.timing.migrate_check_s)
+            view = self._view()
+            if view is None or not self._upstreams:
+                continue
+            leaving = migrating(view)
+            if not leaving:
+                continue
+            now = time.monotonic()
+            for upstream in list(self._upstreams):
+                if upstream.worker in leaving and upstream.migrate_not_before <= now:
+                    upstream.migrate()
 
     async def _choose(self, rid: str, model: str | None, exclude: set[str],
                       prefer: str | None, want_placement: bool
@@ -257,7 +367,7 @@ class Gateway:
             return None, None
         if prefer is not None:  # first retry the same worker: a shadow may have taken over
             worker = view.workers.get(prefer)
-            if worker is not None and worker.engines:
+            if worker is not None and worker.engines and not drained(view, worker):
                 return Target.of(worker), None
         if self.coordinator is not None:
             admission = await self.coordinator.admit(rid, model, sorted(exclude))
@@ -376,6 +486,16 @@ async def _json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the body exceeds {MAX_BODY_BYTES} bytes",
                        "invalid_request_error") from None
+
+
+def path_of(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def migrating(view: ClusterView) -> set[str]:
+    """Workers under a drain intent with --migrate (naming them or their node)."""
+    return {w.name for w in view.workers.values()
+            if any(i.kind == "drain" and i.migrate for i in view.intents_for(w))}
 
 
 def _target(target: RpcTarget) -> Target:

@@ -1,10 +1,15 @@
-"""Talking to engines: one streamed completion from a worker, and the body that resumes an
+"""Talking to engines: one streamed completion from a worker (read in the background, so a
+migration can open its continuation before closing it), and the body that resumes an
 interrupted one."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncGenerator
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,3 +96,100 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
             # Not read to the end (the client left, or the stream broke): close the
             # connection, so the engine sees it and stops generating for nobody.
             response.close()
+
+
+class MigrateAway(Exception):
+    """The gateway is moving this request off its worker (a drain with --migrate). The
+    upstream stays open: if the move does not happen, reading it goes on."""
+
+
+_END = object()
+_MIGRATE = object()
+
+
+class Upstream:
+    """One streamed completion, read in the background into a buffer.
+
+    Reading it in the background lets the gateway leave a stream without closing it: on a
+    migration it opens the continuation elsewhere first and closes this one only once the
+    continuation has produced a token. The order matters: a resumed engine loads the
+    checkpoint before its first token, and this engine frees that checkpoint on its holder
+    as soon as its stream is closed."""
+
+    def __init__(self, worker: str, session: aiohttp.ClientSession, urls: tuple[str, ...],
+                 path: str, body: dict[str, Any]) -> None:
+        self.worker = worker
+        self._items: deque[object] = deque()
+        self._more = asyncio.Event()
+        self._migrate_pending = False
+        self.migrate_not_before = 0.0  # monotonic: a declined move is not retried before
+        self._task = asyncio.create_task(self._pump(session, urls, path, body))
+
+    async def _pump(self, session: aiohttp.ClientSession, urls: tuple[str, ...], path: str,
+                    body: dict[str, Any]) -> None:
+        try:
+            async with contextlib.aclosing(stream_from(session, urls, path, body)) as pieces:
+                async for piece in pieces:
+                    self._put(piece)
+        except (EngineRefused, StreamBroken, ValueError) as exc:
+            self._put(exc)
+        except Exception as exc:  # never leave the reader waiting
+            self._put(StreamBroken(f"{type(exc).__name__}: {exc}"))
+        else:
+            self._put(_END)
+
+    def _put(self, item: object) -> None:
+        self._items.append(item)
+        self._more.set()
+
+    async def _next(self) -> object:
+        while not self._items:
+            self._more.clear()
+            await self._more.wait()
+        return self._items.popleft()
+
+    def migrate(self) -> None:
+        """Ask the reader to move the request elsewhere (after the pieces already read)."""
+        if not self._migrate_pending:
+            self._migrate_pending = True
+            self._put(_MIGRATE)
+
+    def stay(self, retry_after_s: float) -> None:
+        """The move did not happen; the request goes on here (asked again no sooner than
+        `retry_after_s` from now)."""
+        self.migrate_not_before = time.monotonic() + retry_after_s
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The pieces, in order; raises what ended the stream (EngineRefused, StreamBroken,
+        ValueError for a 400) or MigrateAway when `migrate` was asked."""
+        while True:
+            item = await self._next()
+            if item is _END:
+                return
+            if item is _MIGRATE:
+                self._migrate_pending = False
+                raise MigrateAway(f"moving off {self.worker}")
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, Piece)
+            yield item
+
+    async def started(self) -> BaseException | None:
+        """Wait for the first piece (it stays to be read): None once the stream has one,
+        else why it never will (a stream that ends with no piece: StreamBroken)."""
+        while True:
+            item = await self._next()
+            if item is _MIGRATE:  # not ours to answer before the stream starts
+                self._migrate_pending = False
+                continue
+            self._items.appendleft(item)
+            if isinstance(item, Piece):
+                return None
+            if isinstance(item, BaseException):
+                return item
+            return StreamBroken("the engine ended the stream without a token")
+
+    async def close(self) -> None:
+        """Stop reading and close the engine's stream (the engine stops generating)."""
+        self._task.cancel()
+        await asyncio.wait({self._task})

@@ -29,7 +29,8 @@ class RpcCollector(Collector):
         service = self._coordinator()
         decisions = CounterMetricFamily(
             "lumen_coordinator_decisions", "Decisions of this node's coordinator term, by "
-            "kind (admit, no_worker, resume, recompute, no_survivor).", labels=["kind"])
+            "kind (admit, no_worker, resume, recompute, no_survivor; migrate: a recovery "
+            "off a drained worker, also counted as resume or recompute).", labels=["kind"])
         requests = GaugeMetricFamily("lumen_coordinator_requests", "Requests admitted by "
                                      "this node's coordinator and not finished.")
         if service is not None:
