@@ -219,6 +219,8 @@ class GatewayCollector(Collector):
         yield requests
         yield CounterMetricFamily("lumen_gateway_resumes", "Streams resumed after their "
                                   "upstream broke mid-way.", value=c.resumes)
+        yield CounterMetricFamily("lumen_gateway_migrations", "Streams moved off a worker "
+                                  "under a drain --migrate intent.", value=c.migrations)
         rejected = CounterMetricFamily("lumen_gateway_rejected", "Requests refused before "
                                        "proxying, by error type.", labels=["type"])
         for kind, n in sorted(c.rejected.items()):
