@@ -23,7 +23,14 @@ import typer
 from rich.console import Console, RenderableType
 
 from lumenctl import sim_cmd
-from lumenctl.render import as_json, as_yaml, checkpoints_table, events_table, status_tables
+from lumenctl.render import (
+    as_json,
+    as_yaml,
+    checkpoints_table,
+    drain_table,
+    events_table,
+    status_tables,
+)
 from lumenctl.report import checkpoints_document, events_document, status_document
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import ClusterSettings, Event, Intent, decode_value, encode_value
@@ -216,13 +223,111 @@ def drain(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="A node or worker name."),
     migrate: bool = typer.Option(
-        False, "--migrate", help="Also move in-flight requests to their checkpoint holders."
+        False, "--migrate", help="Also move in-flight requests off it, as a recovery would: "
+        "to their checkpoint holders (resume), or recomputed on the least loaded worker."
     ),
+    wait: bool = typer.Option(
+        False, "--wait", help="Show progress until no request is in flight there (exit 1, "
+        "naming what is left, if --timeout passes first)."),
+    timeout_s: float = typer.Option(
+        300.0, "--timeout", min=0.0, help="Seconds --wait waits (this command's option; "
+        "`lumenctl --timeout` before the command is the etcd request timeout)."),
     reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
-    """Stop admitting requests on a node or worker (writes a drain intent)."""
-    _write_intent(ctx.obj, "drain", target, reason, migrate, yes, workers_only=False)
+    """Stop admitting requests on a node or worker (writes a drain intent). Requests in
+    flight there finish where they are, or move elsewhere with --migrate. The intent stays
+    until `lumenctl undrain`."""
+    c: Context = ctx.obj
+    _write_intent(c, "drain", target, reason, migrate, yes, workers_only=False)
+    if wait:
+        _wait_for_drain(c, target, migrate, timeout_s)
+
+
+DRAIN_POLL_S = 0.2
+# Empty this long before --wait is satisfied: a gateway whose view has not yet caught up
+# with the intent (one HA cycle, at most a second) may still admit a request there.
+DRAIN_SETTLE_S = 1.0
+
+
+def _drain_rows(view: ClusterView, target: str, names: set[str]) -> list[dict[str, Any]]:
+    """The target's workers as they are now (a worker seen once stays listed: gone)."""
+    names.update(w.name for w in view.workers.values() if target in (w.name, w.node))
+    rows = []
+    for name in sorted(names):
+        w = view.workers.get(name)
+        if w is None:
+            rows.append({"name": name, "state": "gone", "in_flight": 0, "running": 0,
+                         "waiting": 0})
+        else:
+            rows.append({"name": name, "state": w.state,
+                         "in_flight": w.load.running + w.load.waiting,
+                         "running": w.load.running, "waiting": w.load.waiting})
+    return rows
+
+
+def _empty(row: dict[str, Any]) -> bool:
+    # `serving`: its node has not published the intent yet; `draining`: requests left.
+    return row["state"] not in ("serving", "draining") and row["in_flight"] == 0
+
+
+def _wait_for_drain(c: Context, target: str, migrate: bool, timeout_s: float) -> None:
+    view = _run(c, lambda store: _read_view(c, store))
+    target_kind = "worker" if target in view.workers else "node"
+    names: set[str] = set()
+    started = time.monotonic()
+    empty_since: float | None = None
+    live = c.output is Output.table and sys.stdout.isatty()
+    shown: list[tuple[str, str, int]] = []
+
+    def document(outcome: str) -> dict[str, Any]:
+        return {"target": target, "target_kind": target_kind, "migrate": migrate,
+                "outcome": outcome, "seconds": round(time.monotonic() - started, 3),
+                "workers": rows}
+
+    from contextlib import nullcontext
+
+    from rich.live import Live
+
+    with (Live(console=c.console, auto_refresh=False) if live else nullcontext()) as screen:
+        while True:
+            now = time.monotonic()
+            rows = _drain_rows(view, target, names)
+            intent = any(i.kind == "drain" and i.target == target for i in view.intents)
+            done = all(_empty(r) for r in rows)
+            empty_since = (empty_since or now) if done else None
+            if screen is not None:
+                screen.update(drain_table(document("draining")), refresh=True)
+            elif c.output is Output.table:
+                current = [(r["name"], r["state"], r["in_flight"]) for r in rows]
+                if current != shown:
+                    shown = current
+                    typer.echo(f"{now - started:6.1f} s  " + "; ".join(
+                        f"{r['name']}: {r['state']}, {r['in_flight']} in flight "
+                        f"({r['running']} running, {r['waiting']} waiting)" for r in rows))
+            if not intent:
+                _fail(EXIT_FAILED, f"the drain intent for {target} was withdrawn while "
+                      "waiting (`lumenctl undrain`?)")
+            if empty_since is not None and now - empty_since >= DRAIN_SETTLE_S:
+                break
+            if now - started >= timeout_s:
+                if c.output is not Output.table:
+                    _emit(c, document("timed out"), drain_table)
+                left = [r for r in rows if not _empty(r)] or rows
+                _fail(EXIT_FAILED, f"the drain of {target_kind} {target} did not finish "
+                      f"within {timeout_s:g} s: " + "; ".join(
+                          f"{r['name']} is {r['state']} with {r['in_flight']} requests in "
+                          f"flight ({r['running']} running, {r['waiting']} waiting)"
+                          for r in left)
+                      + f". The intent stays: wait longer, add --migrate, or withdraw it "
+                      f"with `lumenctl undrain {target}`")
+            time.sleep(DRAIN_POLL_S)
+            view = _run(c, lambda store: _read_view(c, store))
+    if c.output is Output.table:
+        typer.echo(f"drained {target_kind} {target} ({', '.join(r['name'] for r in rows)}): "
+                   f"no requests in flight after {time.monotonic() - started:.1f} s")
+    else:
+        _emit(c, document("drained"), drain_table)
 
 
 @app.command()

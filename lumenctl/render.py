@@ -129,3 +129,16 @@ def _size(n: int) -> str:
             return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
         value /= 1024
     return f"{n}B"
+
+
+def drain_table(doc: dict[str, Any]) -> RenderableType:
+    """`lumenctl drain --wait`: each worker of the target and what is left on it."""
+    migrate = " --migrate" if doc["migrate"] else ""
+    table = Table(title=f"drain{migrate} of {doc['target_kind']} {doc['target']}: "
+                  f"{doc['outcome']} after {doc['seconds']:.1f} s", title_justify="left")
+    for column in ("WORKER", "STATE", "IN FLIGHT", "RUNNING", "WAITING"):
+        table.add_column(column)
+    for w in doc["workers"]:
+        table.add_row(w["name"], w["state"], str(w["in_flight"]), str(w["running"]),
+                      str(w["waiting"]))
+    return table
