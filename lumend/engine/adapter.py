@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import aiohttp
@@ -30,6 +31,7 @@ class EngineSpec:
     failover_lock: str
     seed: int = 0
     time_scale: float = 1.0
+    gpus: tuple[int, ...] = ()
 
     @property
     def url(self) -> str:
@@ -49,6 +51,7 @@ class EngineLoad:
 class EngineAdapter(Protocol):
     kind: str
     uses_gms: bool
+    gms_backend: str  # the GMS server's --backend when uses_gms
 
     def command(self, spec: EngineSpec) -> list[str]: ...
 
@@ -74,6 +77,7 @@ class HttpEngineAdapter:
 
     kind = ""
     uses_gms = False
+    gms_backend = "host"
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         return {}
@@ -118,9 +122,16 @@ class SimAdapter(HttpEngineAdapter):
 class VllmAdapter(HttpEngineAdapter):
     """Real vLLM (`python -m vllm.entrypoints.openai.api_server`), gated by LUMEN's
     middleware. Without CUDA the shadow is a hot standby: initialised, serving nothing
-    until it holds the failover lock. (Sleep mode and GMS weights need the cuda backend.)"""
+    until it holds the failover lock. With CUDA every engine runs in sleep mode: a shadow
+    sleeps once initialised and wakes when it takes the lock, and a single-GPU worker's
+    weights live in GMS (cuda backend), mapped by the LUMEN GMS worker class."""
 
     kind = "vllm"
+    gms_backend = "cuda"
+
+    def __init__(self, cuda: bool | None = None) -> None:
+        self.cuda = cuda_present() if cuda is None else cuda
+        self.uses_gms = self.cuda
 
     def command(self, spec: EngineSpec) -> list[str]:
         cmd = [
@@ -132,10 +143,41 @@ class VllmAdapter(HttpEngineAdapter):
         # connector of their own in the worker's args (theirs wins, and says so in the log).
         if not any(a.startswith("--kv-transfer-config") for a in spec.args):
             cmd += ["--kv-transfer-config", LUMEN_KV_TRANSFER_CONFIG]
+        if len(spec.gpus) > 1 and not _has_option(spec.args, "--tensor-parallel-size", "-tp"):
+            cmd += ["--tensor-parallel-size", str(len(spec.gpus))]
+        if self.cuda:
+            cmd += self._gpu(spec)[0]
         return cmd + list(spec.args)
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
-        return {"LUMEN_ENGINE_ID": spec.engine_id, "LUMEN_FAILOVER_LOCK": spec.failover_lock}
+        env = {"LUMEN_ENGINE_ID": spec.engine_id, "LUMEN_FAILOVER_LOCK": spec.failover_lock}
+        if self.cuda:
+            env.update(self._gpu(spec)[1])
+            env[SLEEP_MODE_ENV] = "1"
+            env[ENGINE_URL_ENV] = spec.url
+        return env
+
+    @staticmethod
+    def _gpu(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
+        if spec.gms_socket is not None:
+            from lumend.engine.vllm_gms_worker import gpu_engine_args
+
+            return gpu_engine_args(spec.gms_socket)
+        return ["--enable-sleep-mode"], {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+# Read by the gate inside vLLM (lumend.engine.vllm_gate).
+SLEEP_MODE_ENV = "LUMEN_SLEEP_MODE"
+ENGINE_URL_ENV = "LUMEN_ENGINE_URL"
+
+
+def cuda_present() -> bool:
+    """An NVIDIA driver on this machine (cheap: no CUDA initialisation in lumend)."""
+    return Path("/dev/nvidiactl").exists()
+
+
+def _has_option(args: tuple[str, ...], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in args for n in names)
 
 
 LUMEN_KV_TRANSFER_CONFIG = json.dumps({

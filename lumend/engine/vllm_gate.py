@@ -8,14 +8,21 @@ API server dies, however it dies. Configured by the environment the adapter sets
 LUMEN_ENGINE_ID and LUMEN_FAILOVER_LOCK.
 
 Endpoints added: GET /lumen/engine (state), POST /lumen/release (planned switchover).
+
+On a GPU (LUMEN_SLEEP_MODE=1, vLLM in sleep mode with its dev endpoints) two engines share
+the worker's GPUs: an engine that is not active sleeps (level 1: no KV cache, weights
+unmapped from GMS or offloaded) and wakes when it takes the lock; the active one sleeps
+before it hands the lock over. The gate calls its own server's /sleep and /wake_up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +30,9 @@ from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 
 GATED_PATHS = ("/v1/completions", "/v1/chat/completions")
+SERVER_UP_TIMEOUT_S = 300.0
+
+log = logging.getLogger("vllm.lumen_gate")  # under vllm.: vLLM's log configuration applies
 
 
 class _Gate:
@@ -30,21 +40,47 @@ class _Gate:
         self.engine_id = os.environ.get("LUMEN_ENGINE_ID", f"vllm-{os.getpid()}")
         path = os.environ.get("LUMEN_FAILOVER_LOCK")
         self.lock = FailoverLock(path, f"{self.engine_id} pid {os.getpid()}") if path else None
-        self.state = "standby"
+        self.sleep_mode = os.environ.get("LUMEN_SLEEP_MODE") == "1"
+        self.url = os.environ.get("LUMEN_ENGINE_URL", "")
+        # Asleep before it counts as a standby: the supervisor registers nothing sooner.
+        self.state = "initialising" if self.sleep_mode else "standby"
         self.activated_at: float | None = None
         self.in_flight = 0
         self._wake = threading.Event()
         threading.Thread(target=self._hold_lock, name="lumen-failover-lock", daemon=True).start()
 
     def _hold_lock(self) -> None:
+        if self.sleep_mode:
+            self._call_engine("/sleep?level=1", wait_for_server=True)
+            self.state = "standby"
         while True:
             if self.lock is not None:
                 while not self.lock.try_acquire():
                     time.sleep(0.02)
+            if self.sleep_mode:
+                self._call_engine("/wake_up")
             self.state = "active"
             self.activated_at = time.time()
             self._wake.wait()  # set by a release; then queue for the lock again
             self._wake.clear()
+
+    def _call_engine(self, path: str, wait_for_server: bool = False) -> None:
+        """POST to this engine's own sleep endpoints (from a thread: never from the event
+        loop that must serve the call). At start the server may not listen yet."""
+        deadline = time.monotonic() + (SERVER_UP_TIMEOUT_S if wait_for_server else 60.0)
+        while True:
+            try:
+                request = urllib.request.Request(self.url + path, method="POST")
+                with urllib.request.urlopen(request, timeout=120):
+                    return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    # An engine that cannot sleep or wake must not serve: exit, the
+                    # supervisor restarts it and the worker's other engines carry on.
+                    log.error("engine %s: POST %s failed (%s); exiting", self.engine_id,
+                              path, exc)
+                    os._exit(1)
+                time.sleep(0.2)
 
     async def release(self, drain_timeout_s: float) -> None:
         if self.state != "active":
@@ -53,6 +89,8 @@ class _Gate:
         deadline = time.monotonic() + drain_timeout_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if self.sleep_mode:  # free the GPU for the shadow before it takes over
+            await asyncio.to_thread(self._call_engine, "/sleep?level=1")
         self.state = "standby"
         if self.lock is not None:
             await self.lock.hand_over()

@@ -27,7 +27,7 @@ from lumend.checkpoint.security import ENV_VAR as CKPT_KEYS_ENV
 from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord, WorkerState
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import EngineAdapter, EngineLoad, EngineSpec
-from lumend.failover.lifeline import supervisor_env
+from lumend.failover.lifeline import kill_group, reap_orphans, supervisor_env
 
 log = logging.getLogger("lumend.failover")
 
@@ -110,7 +110,9 @@ class WorkerSupervisor:
         self.timing = timing or SupervisorTiming()
         self.dir = runtime_dir / worker.name
         self.log_dir = log_dir
-        self.gms_socket = self.dir / "gms.sock" if use_gms and adapter.uses_gms else None
+        self.gms_socket = (self.dir / "gms.sock"
+                           if use_gms and adapter.uses_gms and _gms_fits(adapter, worker)
+                           else None)
         self.counters = WorkerCounters()
         self.on_failover = on_failover
         self.checkpoint_keys = checkpoint_keys
@@ -125,6 +127,7 @@ class WorkerSupervisor:
                     model=worker.model, args=tuple(worker.args),
                     gms_socket=str(self.gms_socket) if self.gms_socket else None,
                     failover_lock=str(self.dir / "failover.lock"), time_scale=time_scale,
+                    gpus=tuple(worker.gpus),
                 ),
                 log_path=log_dir / f"{worker.name}.{i}.log",
             )
@@ -137,6 +140,7 @@ class WorkerSupervisor:
     async def run(self, stop: asyncio.Event) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(reap_orphans, self.dir)
         timeout = aiohttp.ClientTimeout(total=self.timing.probe_deadline_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             try:
@@ -168,11 +172,18 @@ class WorkerSupervisor:
     # -- engines --------------------------------------------------------------------------
 
     def engine_environment(self, spec: EngineSpec) -> dict[str, str]:
-        env = {**os.environ, **supervisor_env(), **self.adapter.environment(spec)}
+        env = {**os.environ, **self._child_env(), **self.adapter.environment(spec)}
         # The node config decides, never a variable lumend itself inherited.
         env.pop(CKPT_KEYS_ENV, None)
         if self.checkpoint_keys:
             env[CKPT_KEYS_ENV] = self.checkpoint_keys
+        return env
+
+    def _child_env(self) -> dict[str, str]:
+        """What every process of this worker gets: lifeline variables and its GPUs."""
+        env = supervisor_env(self.dir)
+        if self.worker.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.worker.gpus)
         return env
 
     def _start_engine(self, slot: EngineSlot, now: float) -> None:
@@ -192,6 +203,8 @@ class WorkerSupervisor:
         assert slot.proc is not None
         code = slot.proc.returncode
         was = slot.state
+        # What the engine started (vLLM's engine core and GPU workers) dies with it.
+        kill_group(slot.proc.pid)
         slot.proc = None
         slot.state = "stopped"
         if was == "active" and self.pending_failover is None:
@@ -235,8 +248,7 @@ class WorkerSupervisor:
         log.warning("killing engine %s (pid %d): %s", slot.spec.engine_id, slot.proc.pid, why)
         if slot.state == "active" and self.pending_failover is None:
             self.pending_failover = FailoverRecord(slot.spec.engine_id, why, time.monotonic())
-        with contextlib.suppress(ProcessLookupError):
-            slot.proc.send_signal(signal.SIGKILL)
+        kill_group(slot.proc.pid)  # the engine and every process it started
 
     def _failover_done(self, slot: EngineSlot) -> None:
         record = self.pending_failover
@@ -265,11 +277,12 @@ class WorkerSupervisor:
                         self.worker.name, self.gms_proc.returncode)
             self.counters.gms_restarts += 1
         with (self.log_dir / f"{self.worker.name}.gms.log").open("ab") as out:
+            # On CUDA the server sees only this worker's GPU, as device 0.
             self.gms_proc = subprocess.Popen(
-                [sys.executable, "-m", "lumend.gms.server",
-                 "--socket", str(self.gms_socket)],
+                [sys.executable, "-m", "lumend.gms.server", "--socket", str(self.gms_socket),
+                 "--backend", self.adapter.gms_backend, "--device", "0"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **supervisor_env()},
+                env={**os.environ, **self._child_env()},
             )
 
     # -- planned switchover ---------------------------------------------------------------
@@ -345,7 +358,18 @@ class WorkerSupervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            kill_group(p.pid)  # anything the process started that did not stop with it
         for s in self.slots:
             s.proc = None
             s.state = "stopped"
 
+
+def _gms_fits(adapter: EngineAdapter, worker: WorkerConfig) -> bool:
+    """GMS on CUDA holds one GPU's weights: tensor-parallel workers run without it (their
+    shadows sleep with vLLM's own weight offload instead)."""
+    if adapter.gms_backend == "cuda" and len(worker.gpus) != 1:
+        log.warning("worker %s spans %d GPUs: GMS serves one GPU per worker so far, so its "
+                    "shadows keep their own weights (sleep mode offloads them)", worker.name,
+                    len(worker.gpus))
+        return False
+    return True

@@ -28,6 +28,14 @@ def consecutive_ports(n: int) -> int:
             return first
 
 
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 async def complete(session: aiohttp.ClientSession, sup: WorkerSupervisor,
                    model: Path) -> tuple[str, str] | None:
     """(engine id, text) from whichever engine accepts; standbys refuse at once."""
@@ -75,7 +83,8 @@ def test_hot_standby_survives_sigkill_of_the_active_vllm(
                 assert load.running == 0 and 0.0 <= load.kv_usage <= 1.0
 
                 assert active.proc is not None
-                os.kill(active.proc.pid, signal.SIGKILL)
+                killed = active.proc.pid
+                os.kill(killed, signal.SIGKILL)  # the API server only, as a crash would
                 after = None
                 deadline = time.monotonic() + 60
                 while after is None:
@@ -86,6 +95,12 @@ def test_hot_standby_survives_sigkill_of_the_active_vllm(
                 assert after[1] == first[1], "greedy output must not change across failover"
                 while sup.counters.failovers < 1:
                     await asyncio.sleep(0.05)
+                # vLLM's engine core and worker processes outlive their API server unless
+                # the supervisor kills the engine's process group: they must be gone.
+                deadline = time.monotonic() + 30
+                while group_alive(killed):
+                    assert time.monotonic() < deadline, "the killed engine's processes remain"
+                    await asyncio.sleep(0.1)
                 record = sup.record()
                 assert record.state == "serving"
                 assert [e.id for e in record.engines if e.role == "active"] == [after[0]]
