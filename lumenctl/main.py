@@ -34,7 +34,15 @@ from lumenctl.render import (
 from lumenctl.report import checkpoints_document, events_document, status_document
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import ClusterSettings, Event, Intent, decode_value, encode_value
-from lumend.cluster.store import Delete, EtcdStore, Put, StoreError, StoreUnavailable, TlsFiles
+from lumend.cluster.store import (
+    Delete,
+    EtcdStore,
+    Put,
+    StoreConfigError,
+    StoreError,
+    StoreUnavailable,
+    TlsFiles,
+)
 from lumend.cluster.view import ClusterView, build_view
 
 EXIT_FAILED = 1
@@ -99,6 +107,19 @@ def global_options(
         help="A lumend.toml to take etcd endpoints, cluster and TLS files from, if it exists.",
     ),
     timeout_s: float = typer.Option(2.0, "--timeout", help="Per-request etcd timeout, seconds."),
+    ca_cert: Path | None = typer.Option(
+        None, "--ca-cert", envvar="LUMEN_ETCD_CA_CERT",
+        help="CA certificate of the etcd servers, for https:// endpoints (default: [etcd] "
+        "ca_cert of --config).",
+    ),
+    cert: Path | None = typer.Option(
+        None, "--cert", envvar="LUMEN_ETCD_CERT",
+        help="Client certificate for etcd (default: [etcd] cert of --config).",
+    ),
+    key: Path | None = typer.Option(
+        None, "--key", envvar="LUMEN_ETCD_KEY",
+        help="Client key for etcd (default: [etcd] key of --config).",
+    ),
 ) -> None:
     defaults = _defaults_from_config(config)
     endpoint_list = (
@@ -106,7 +127,11 @@ def global_options(
         if endpoints
         else defaults.get("endpoints") or [DEFAULT_ENDPOINT]
     )
-    tls = TlsFiles(defaults.get("ca_cert"), defaults.get("cert"), defaults.get("key"))
+    tls = TlsFiles(
+        str(ca_cert) if ca_cert else defaults.get("ca_cert"),
+        str(cert) if cert else defaults.get("cert"),
+        str(key) if key else defaults.get("key"),
+    )
     ctx.obj = Context(
         endpoints=endpoint_list,
         cluster=cluster or defaults.get("cluster") or "default",
@@ -598,6 +623,8 @@ def _run(c: Context, action: Callable[[EtcdStore], Awaitable[T]]) -> T:
         return asyncio.run(go())
     except StoreUnavailable as exc:
         _fail(EXIT_ETCD, str(exc))
+    except StoreConfigError as exc:
+        _fail(EXIT_USAGE, str(exc))
     except StoreError as exc:
         _fail(EXIT_FAILED, str(exc))
     except ValueError as exc:  # a malformed endpoint

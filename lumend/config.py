@@ -615,23 +615,24 @@ def _check_etcd(root: _Table) -> dict[str, Any]:
     etcd = root.table("etcd", _ETCD_KEYS, needs='endpoints = ["http://10.0.0.1:2379"]')
     if etcd is None:
         return {}
-    secure = _check_endpoints(etcd)
+    secure, plaintext = _check_endpoints(etcd)
     _check_name(etcd, "cluster", etcd.text("cluster", '"prod"'))
     _check_timings(etcd)
-    _check_tls(etcd, secure)
+    _check_tls(etcd, secure, plaintext)
     return etcd.values
 
 
-def _check_endpoints(etcd: _Table) -> bool:
-    """Checks etcd.endpoints; returns whether any of them uses https."""
+def _check_endpoints(etcd: _Table) -> tuple[bool, bool]:
+    """Checks etcd.endpoints; returns whether any of them uses https, and any http."""
     example = '["http://10.0.0.1:2379"]'
     etcd.items(
         "endpoints", example, "string", _is_str, required=True, nonempty=True, check=_url_fix
     )
     endpoints = etcd.data.get("endpoints")
-    return isinstance(endpoints, list) and any(
-        isinstance(url, str) and url.lower().startswith("https://") for url in endpoints
-    )
+    urls = [url.lower() for url in endpoints if isinstance(url, str)] \
+        if isinstance(endpoints, list) else []
+    return (any(url.startswith("https://") for url in urls),
+            any(url.startswith("http://") for url in urls))
 
 
 def _url_fix(url: str) -> str | None:
@@ -660,24 +661,47 @@ def _check_timings(etcd: _Table) -> None:
             etcd.problem(name, value, fix, default=name not in etcd.data)
 
 
-def _check_tls(etcd: _Table, secure: bool) -> None:
+def _check_tls(etcd: _Table, secure: bool, plaintext: bool) -> None:
+    """[etcd] ca_cert, cert and key: all three readable files and https:// endpoints (etcd
+    as the etcd role runs it: TLS, --client-cert-auth), or none and http:// endpoints."""
+    given = []
     for name, example in _TLS_EXAMPLES.items():
         path = etcd.text(name, example)
-        if path is not None and not os.path.isfile(path):
+        if path is None:
+            continue
+        given.append(name)
+        if not os.path.isfile(path):
             etcd.problem(name, path, "no such file; put the file there or remove the key")
-    if secure and "ca_cert" not in etcd.data:
-        fix = (
+        elif not os.access(path, os.R_OK):
+            etcd.problem(name, path, "lumend cannot read this file; make it readable by the "
+                         "user lumend runs as (the key only by that user)")
+    has = {name: name in etcd.data for name in _TLS_EXAMPLES}
+    if secure and not has["ca_cert"]:
+        etcd.problem("ca_cert", _ABSENT, (
             "https endpoints need the CA certificate of the etcd servers: "
-            f"add ca_cert = {_TLS_EXAMPLES['ca_cert']} to [etcd], or use http:// endpoints"
-        )
-        etcd.problem("ca_cert", _ABSENT, fix)
-    for given, lacking in (("cert", "key"), ("key", "cert")):
-        if given in etcd.data and lacking not in etcd.data:
-            fix = (
+            f"add ca_cert = {_TLS_EXAMPLES['ca_cert']} to [etcd], or use http:// endpoints"))
+    elif not has["ca_cert"] and (has["cert"] or has["key"]):
+        etcd.problem("ca_cert", _ABSENT, (
+            "a client certificate needs the CA certificate of the etcd servers: add "
+            f"ca_cert = {_TLS_EXAMPLES['ca_cert']} to [etcd] and use https:// endpoints, "
+            "or remove cert and key"))
+    for one, lacking in (("cert", "key"), ("key", "cert")):
+        if has[one] and not has[lacking]:
+            etcd.problem(lacking, _ABSENT, (
                 f"a client certificate needs both cert and key: "
-                f"add {lacking} = {_TLS_EXAMPLES[lacking]}, or remove {given}"
-            )
-            etcd.problem(lacking, _ABSENT, fix)
+                f"add {lacking} = {_TLS_EXAMPLES[lacking]}, or remove {one}"))
+    if (secure or has["ca_cert"]) and not (has["cert"] or has["key"]):
+        for name in ("cert", "key"):
+            etcd.problem(name, _ABSENT, (
+                "etcd over TLS needs a client certificate (the etcd role runs etcd with "
+                f"--client-cert-auth): add cert = {_TLS_EXAMPLES['cert']} and "
+                f"key = {_TLS_EXAMPLES['key']} to [etcd], or remove ca_cert and use "
+                "http:// endpoints"))
+    if given and plaintext:
+        etcd.problem("endpoints", etcd.data.get("endpoints"), (
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set, but http:// "
+            "endpoints would reach etcd in plaintext: use https:// for every endpoint, or "
+            f"remove {', '.join(given)}"))
 
 
 def _check_listen(table: _Table, default: str) -> int | None:

@@ -102,6 +102,10 @@ class StoreError(Exception):
     """The store answered, but not as asked (a bug or a misconfigured server)."""
 
 
+class StoreConfigError(StoreError):
+    """The client's own settings cannot work (an https endpoint without TLS files)."""
+
+
 class StoreUnavailable(StoreError):
     """No etcd endpoint answered within the retry budget."""
 
@@ -113,9 +117,33 @@ class StoreUnavailable(StoreError):
         super().__init__(
             f"etcd unreachable at {', '.join(self.endpoints)} "
             f"({attempts} attempts over {elapsed_s:.1f} s; last error: {last}); "
-            "check that etcd runs there (`systemctl status etcd`) and that the endpoints "
-            "are right (--endpoints / LUMEN_ENDPOINTS / [etcd] endpoints)"
+            + _unavailable_hint(last, self.endpoints)
         )
+
+
+# What gRPC reports when a TLS handshake fails on either side: a server refusing the client
+# certificate ends the handshake with an alert the client sees only as corrupted data.
+_TLS_MARKERS = ("TSI_", "handshake", "SSL", "CERTIFICATE")
+
+
+def _unavailable_hint(last: str, endpoints: Sequence[str]) -> str:
+    if any(marker in last for marker in _TLS_MARKERS):
+        return (
+            "etcd refused the TLS handshake: the client certificate ([etcd] cert and key, "
+            "lumenctl --cert/--key) must be signed by the CA that etcd trusts "
+            "(--trusted-ca-file), and ca_cert (lumenctl --ca-cert) must be the CA that "
+            "signed etcd's server certificate"
+        )
+    if "Socket closed" in last and any(e.startswith("http://") for e in endpoints):
+        return (
+            "etcd closed the connection at once, as an etcd that serves TLS does to a "
+            "plaintext client: if it does, use https:// endpoints with ca_cert, cert and key "
+            "(lumenctl --ca-cert/--cert/--key); else check `systemctl status etcd`"
+        )
+    return (
+        "check that etcd runs there (`systemctl status etcd`) and that the endpoints "
+        "are right (--endpoints / LUMEN_ENDPOINTS / [etcd] endpoints)"
+    )
 
 
 class Store(Protocol):
@@ -231,9 +259,7 @@ class EtcdStore:
             spec = self._specs[index]
             creds = None
             if spec.secure:
-                creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(
-                    self._tls.ca_cert, self._tls.key, self._tls.cert
-                )
+                creds = self._secure_creds(spec.url)
             # time_retry=0: never let the library park an endpoint; rotation is ours.
             endpoint = pyetcd.Endpoint(
                 spec.host, spec.port, secure=spec.secure, creds=creds, time_retry=0.0
@@ -241,6 +267,25 @@ class EtcdStore:
             client = pyetcd.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=self._timeout)
             self._clients[index] = client
         return client
+
+    def _secure_creds(self, url: str) -> Any:
+        import pyetcd
+
+        tls = self._tls
+        if not tls.ca_cert:
+            raise StoreConfigError(
+                f"{url} is an https endpoint but no CA certificate is given: set [etcd] "
+                "ca_cert, cert and key (lumenctl --ca-cert, --cert, --key), or use http://"
+            )
+        try:
+            # pyetcd's argument order: CA, client key, client certificate.
+            return pyetcd.MultiEndpointEtcd3Client.get_secure_creds(tls.ca_cert, tls.key,
+                                                                    tls.cert)
+        except OSError as exc:
+            raise StoreConfigError(
+                f"cannot read the etcd TLS file {exc.filename}: {exc.strerror}; fix [etcd] "
+                "ca_cert, cert and key (lumenctl --ca-cert, --cert, --key)"
+            ) from exc
 
     def _drop_client(self, index: int) -> None:
         client = self._clients.pop(index, None)
@@ -428,4 +473,7 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
     text = str(exc) or type(exc).__name__
+    cause = exc.__context__  # pyetcd raises its own exceptions inside `except RpcError`
+    if isinstance(cause, grpc.RpcError) and hasattr(cause, "details"):
+        text += f" ({cause.details()})"
     return text
