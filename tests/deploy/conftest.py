@@ -20,6 +20,8 @@ from lumenctl.demo import read_view
 from lumenctl.localcluster import EtcdCluster, free_ports, node_config_toml, stop_process
 from tests.integration.conftest import etcd, wait_until
 
+from .pki import CertFiles
+
 __all__ = ["etcd", "read_view", "wait_until"]
 
 LAUNCHER = Path(__file__).with_name("lumend_launcher.py")
@@ -118,19 +120,24 @@ class Lumend:
 
 @pytest.fixture
 def start_lumend(tmp_path: Path) -> Iterator[Callable[..., Lumend]]:
-    """Factory: start_lumend(endpoints, notify=sock, watchdog_usec=..., env={...})."""
+    """Factory: start_lumend(endpoints, notify=sock, watchdog_usec=..., env={...},
+    etcd_tls=CertFiles)."""
     started: list[Lumend] = []
 
     def start(endpoints: list[str], *, name: str = "n1", cluster: str = "deploy",
               notify: NotifySocket | None = None, watchdog_usec: int | None = None,
               env: dict[str, str] | None = None, workers: int = 1,
-              metrics_port: int | None = None) -> Lumend:
+              metrics_port: int | None = None, etcd_tls: CertFiles | None = None) -> Lumend:
         ports = free_ports(4 + 2 * workers)
         if metrics_port is not None:
             ports[3] = metrics_port
         config = tmp_path / f"{name}.toml"
-        config.write_text(node_config_toml(name, endpoints, cluster, ports, lease_ttl_s=3,
-                                           workers=workers, workdir=tmp_path))
+        text = node_config_toml(name, endpoints, cluster, ports, lease_ttl_s=3,
+                                workers=workers, workdir=tmp_path)
+        if etcd_tls is not None:
+            text = text.replace("[etcd]\n", f'[etcd]\nca_cert = "{etcd_tls.ca}"\n'
+                                f'cert = "{etcd_tls.cert}"\nkey = "{etcd_tls.key}"\n', 1)
+        config.write_text(text)
         environ = {k: v for k, v in os.environ.items()
                    if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
                                 "JOURNAL_STREAM")}
