@@ -3,7 +3,9 @@
 Prints a table; asserts nothing. Two workloads:
 * `trace-1h`: one hour of the conversation trace as published (~5.5 req/s), 64 workers.
 * `scaled`: the trace time-scaled to the paper-scale per-worker load (Llama-3-70B).
-Each policy runs twice (faulted and failure-free reference), as `lumenctl sim` does.
+Each policy runs twice (faulted and failure-free reference), as `lumenctl sim` does;
+events/s counts the events of both runs over their CPU time. `--profile` prints cProfile's
+top functions (the table's times then include the profiler's overhead).
 
     .venv/bin/python bench/sim_perf.py [--scaled-seconds 600] [--profile]
 """
