@@ -15,7 +15,10 @@ decode: a real sim engine process (sim-small at --time-scale: 1.0 is the preset'
 times, so the modelled compute is there to compare against) decodes --batch requests at
 once, alternately with streaming off and on (each block that becomes full goes to a real
 holder process, with CURVE); the step time is wall time over engine steps while the whole
-batch decodes. Overhead = on / off - 1 (target under 2%).
+batch decodes (after every prompt is computed). Overhead = on / off - 1 (target under 2%).
+The engine's CPU time per step (all its threads, ZeroMQ's I/O thread and CURVE included)
+is shown next to it: on a machine with few cores, CPU that streaming takes from other
+processes shows up in the step time.
 
 resume: for each prefix length, time to first token of a request whose prompt is that
 prefix (max_tokens 1), (a) recomputed (no checkpoint) and (b) resumed: the holder has the
@@ -158,24 +161,26 @@ def throughput(args: argparse.Namespace) -> None:
 class Setup:
     """A holder process (CURVE) and a sim engine process that streams to it."""
 
-    def __init__(self, workdir: Path, time_scale: float) -> None:
+    def __init__(self, workdir: Path, time_scale: float, curve: bool) -> None:
         self.keys = workdir / "checkpoint.keys"
         CurveKeys.generate().write(self.keys)
+        keys = str(self.keys) if curve else None
         holder_port, engine_port = free_ports(2)
         self.holder = f"tcp://127.0.0.1:{holder_port}"
         self.url = f"http://127.0.0.1:{engine_port}"
         self.holder_proc: BaseProcess = mp.get_context("spawn").Process(
-            target=run_holder, args=(holder_port, 64 << 30, str(self.keys)))
+            target=run_holder, args=(holder_port, 64 << 30, keys))
         self.holder_proc.start()
         log = (workdir / "engine.log").open("ab")
         self.engine = subprocess.Popen(
             [sys.executable, "-m", "lumend.engine.sim_server", "--engine-id", "bench",
              "--port", str(engine_port), "--model", MODEL, "--time-scale", str(time_scale),
              "--log-level", "WARNING"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, ENV_VAR: str(self.keys)})
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, ENV_VAR: keys or ""})
         log.close()
         self.streamer = CheckpointStreamer(self.holder, SimCheckpointer(
-            sim_model(MODEL), seed=0).layout, sndhwm=100_000, curve=CurveKeys.load(self.keys))
+            sim_model(MODEL), seed=0).layout, sndhwm=100_000,
+            curve=CurveKeys.load(self.keys) if curve else None)
         assert self.streamer.wait_connected(30), "the holder did not accept the bench's keys"
 
     def plan(self, ckpt_id: str, mode: str) -> dict[str, Any]:
@@ -190,9 +195,9 @@ class Setup:
 
 
 @contextmanager
-def setup(time_scale: float) -> Iterator[Setup]:
+def setup(args: argparse.Namespace) -> Iterator[Setup]:
     with tempfile.TemporaryDirectory(prefix="lumen-bench-") as tmp:
-        s = Setup(Path(tmp), time_scale)
+        s = Setup(Path(tmp), args.time_scale, curve=not args.no_curve)
         try:
             yield s
         finally:
@@ -255,14 +260,14 @@ async def decode_round(s: Setup, session: aiohttp.ClientSession, args: argparse.
     prefill = (await metrics(session, s.url))["lumen_sim_prefill_tokens_total"]
     prefill += args.batch * args.decode_prompt  # every prompt computed: decode only from here
     tasks = [asyncio.create_task(first_token(session, s.url, b)) for b in bodies]
-    window: list[tuple[float, float]] = []
+    window: list[tuple[float, float, float]] = []  # (time, engine steps, engine CPU s)
     covered: list[float] = []
     while not all(t.done() for t in tasks):
         m = await metrics(session, s.url)
         now = time.perf_counter()
         running = m["lumen:ckpt_requests_running"]
         if running == args.batch and m["lumen_sim_prefill_tokens_total"] >= prefill:
-            window.append((now, m["lumen_sim_steps_total"]))
+            window.append((now, m["lumen_sim_steps_total"], cpu_seconds(s.engine.pid)))
             covered.append(m["lumen:ckpt_requests_complete"] / running)
         elif window:
             break  # a request finished: the batch is no longer whole
@@ -270,12 +275,20 @@ async def decode_round(s: Setup, session: aiohttp.ClientSession, args: argparse.
     await asyncio.gather(*tasks)
     if len(window) < 2 or window[-1][1] == window[0][1]:
         raise RuntimeError("no decode window measured; raise --decode-tokens")
-    step_s = (window[-1][0] - window[0][0]) / (window[-1][1] - window[0][1])
-    return {"step_s": step_s, "coverage": min(covered) if stream else float("nan")}
+    steps = window[-1][1] - window[0][1]
+    return {"step_s": (window[-1][0] - window[0][0]) / steps,
+            "cpu_s": (window[-1][2] - window[0][2]) / steps,
+            "coverage": min(covered) if stream else float("nan")}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (ZeroMQ's I/O thread included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def decode_table(args: argparse.Namespace) -> None:
-    with setup(args.time_scale) as s:
+    with setup(args) as s:
         async with aiohttp.ClientSession() as session:
             await wait_active(session, s.url)
             await decode_round(s, session, args, True, -1)  # warm-up: connects to the holder
@@ -287,6 +300,8 @@ async def decode_table(args: argparse.Namespace) -> None:
             after = await metrics(session, s.url)
     off = statistics.median(x["step_s"] for x in results[False])
     on = statistics.median(x["step_s"] for x in results[True])
+    cpu_off = statistics.median(x["cpu_s"] for x in results[False])
+    cpu_on = statistics.median(x["cpu_s"] for x in results[True])
     saved = after["lumen_sim_ckpt_blocks_saved_total"] - before["lumen_sim_ckpt_blocks_saved_total"]
     dropped = (after["lumen_sim_ckpt_blocks_dropped_total"]
                - before["lumen_sim_ckpt_blocks_dropped_total"])
@@ -295,12 +310,14 @@ async def decode_table(args: argparse.Namespace) -> None:
     print(f"sim engine decode step, {MODEL} at time scale {args.time_scale:g}, batch "
           f"{args.batch}, prompt {args.decode_prompt} + {args.decode_tokens} tokens, "
           f"median of {args.repeats} alternating rounds")
-    print(f"{'streaming':>10} {'step ms':>9} {'overhead':>9} {'blocks sent':>12} "
-          f"{'dropped':>8} {'min coverage':>13}")
-    print(f"{'off':>10} {off * 1e3:>9.3f} {'':>9} {'':>12} {'':>8} {'':>13}")
-    print(f"{'on':>10} {on * 1e3:>9.3f} {(on / off - 1) * 100:>8.2f}% {int(saved):>12} "
-          f"{int(dropped):>8} {coverage * 100:>12.0f}%")
-    print(f"(pages of {page_kib} KiB to a CURVE holder process; per round step times off: "
+    print(f"{'streaming':>10} {'step ms':>9} {'overhead':>9} {'engine CPU ms/step':>19} "
+          f"{'blocks sent':>12} {'dropped':>8} {'min coverage':>13}")
+    print(f"{'off':>10} {off * 1e3:>9.3f} {'':>9} {cpu_off * 1e3:>19.3f} {'':>12} {'':>8} "
+          f"{'':>13}")
+    print(f"{'on':>10} {on * 1e3:>9.3f} {(on / off - 1) * 100:>8.2f}% {cpu_on * 1e3:>19.3f} "
+          f"{int(saved):>12} {int(dropped):>8} {coverage * 100:>12.0f}%")
+    print(f"(pages of {page_kib} KiB to a {'' if args.no_curve else 'CURVE '}holder process; "
+          "per round step times off: "
           + ", ".join(f"{x['step_s'] * 1e3:.3f}" for x in results[False]) + "; on: "
           + ", ".join(f"{x['step_s'] * 1e3:.3f}" for x in results[True]) + ")")
     print()
@@ -325,7 +342,7 @@ def seed_checkpoint(s: Setup, ckpt_id: str, prompt: list[int]) -> int:
 
 async def resume_table(args: argparse.Namespace) -> None:
     rows = []
-    with setup(args.time_scale) as s:
+    with setup(args) as s:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             await wait_active(session, s.url)
             for n in (int(x) for x in args.prefixes.split(",")):
@@ -352,7 +369,8 @@ async def resume_table(args: argparse.Namespace) -> None:
                              statistics.median(resume), restored))
     page_kib = BLOCK_SIZE * sim_model(MODEL).kv_bytes_per_token >> 10
     print(f"time to first token on the sim engine ({MODEL}, time scale {args.time_scale:g}): "
-          f"prefix recomputed vs resumed from a CURVE holder's pages ({page_kib} KiB each), "
+          f"prefix recomputed vs resumed from a {'' if args.no_curve else 'CURVE '}holder's "
+          f"pages ({page_kib} KiB each), "
           f"median of {args.repeats}")
     print(f"{'prefix':>7} {'pages':>6} {'MiB':>7} {'recompute ms':>13} {'resume ms':>10} "
           f"{'speedup':>8} {'restored':>9}")
@@ -374,6 +392,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=300)
     parser.add_argument("--prefixes", default="1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-curve", action="store_true",
+                        help="decode and resume without CURVE (to see what encryption costs)")
     args = parser.parse_args()
     tables = set(args.tables.split(","))
     unknown = tables - {"throughput", "decode", "resume"}

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from lumend.checkpoint.security import client_keys_from_env
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
@@ -27,8 +28,10 @@ from lumend.engine.sim_core import BLOCK_SIZE, SimRequest, block_hashes, kv_page
 from lumend.engine.sim_models import SimModel
 
 log = logging.getLogger("lumend.engine.sim")
+T = TypeVar("T")
 
 Mode = Literal["save", "resume"]
+SEND_QUEUE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ class CheckpointCounters:
 
 
 class SimCheckpointer:
+    """Streams off the decode path: every streaming socket belongs to one I/O thread, which
+    builds each page and hands it to ZeroMQ while the engine computes its next step (in a
+    real engine: the copy out of GPU memory overlapping the forward pass)."""
+
     def __init__(self, model: SimModel, seed: int) -> None:
         self.seed = seed
         self.page_bytes = BLOCK_SIZE * model.kv_bytes_per_token
@@ -84,21 +91,32 @@ class SimCheckpointer:
         )
         self.counters = CheckpointCounters()
         self.curve = client_keys_from_env()  # KeyFileError: the engine must not start
-        self._streamers: dict[str, CheckpointStreamer] = {}
+        # Pages queued per holder before blocks are dropped: enough (64 MiB) to absorb the
+        # burst of a batch's prompts becoming full at once.
+        self.sndhwm = max(64, SEND_QUEUE_BYTES // self.page_bytes)
+        self._streamers: dict[str, CheckpointStreamer] = {}  # used on the I/O thread only
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-io")
 
     def _streamer(self, holder: str) -> CheckpointStreamer:
         streamer = self._streamers.get(holder)
         if streamer is None:
-            streamer = self._streamers[holder] = CheckpointStreamer(holder, self.layout,
-                                                                    curve=self.curve)
+            streamer = self._streamers[holder] = CheckpointStreamer(
+                holder, self.layout, sndhwm=self.sndhwm, curve=self.curve)
         return streamer
+
+    def _on_io(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn` on the I/O thread, in order, without waiting (errors are logged)."""
+        self._io.submit(fn, *args).add_done_callback(_log_failure)
+
+    async def _io_call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     def count_complete(self, running: Iterable[SimRequest],
                        plans: Mapping[str, tuple[SimRequest, CheckpointPlan]]) -> int:
         """Running requests with a checkpoint whose every block that became full so far was
-        sent without a drop and not refused (ACKs already here are read first)."""
-        for streamer in self._streamers.values():
-            streamer.poll_acks()
+        sent without a drop and not refused. Reads what the I/O thread knows now (a block
+        still queued for it counts as not lost) and has it read new ACKs for next time."""
+        self._on_io(self._poll_acks)
         complete = 0
         for request in running:
             entry = plans.get(request.id)
@@ -106,16 +124,19 @@ class SimCheckpointer:
             if entry is None or holder is None:
                 continue
             progress = holder.progress.get(entry[1].ckpt_id)
-            if progress is None or progress.intact:  # None: no block full yet, none lost
+            if progress is None or progress.intact:  # None: no block sent yet, none lost
                 complete += 1
         return complete
+
+    def _poll_acks(self) -> None:
+        for streamer in list(self._streamers.values()):
+            streamer.poll_acks()
 
     async def connect(self, plan: CheckpointPlan, within_s: float = 1.0) -> bool:
         """Connect to the request's holder before it is admitted (blocks put before the
         connection exists would be dropped, and a checkpoint with a gap is useless)."""
-        streamer = self._streamer(plan.holder)
         deadline = asyncio.get_running_loop().time() + within_s
-        while not streamer.wait_connected(0):
+        while not await self._io_call(self._connected, plan.holder):
             if asyncio.get_running_loop().time() > deadline:
                 log.warning("holder %s not reachable within %.1f s; request %s runs without "
                             "a checkpoint", plan.holder, within_s, plan.ckpt_id)
@@ -123,12 +144,22 @@ class SimCheckpointer:
             await asyncio.sleep(0.01)
         return True
 
+    def _connected(self, holder: str) -> bool:
+        return self._streamer(holder).wait_connected(0)
+
     def save_new_blocks(self, request: SimRequest, plan: CheckpointPlan) -> None:
-        """Queue the blocks that became full (never blocks: drops are counted)."""
+        """Queue the blocks that became full for the I/O thread (never blocks; drops are
+        counted there)."""
+        blocks = request.new_full_blocks(self.seed)  # the request's chain: this thread's
+        if blocks:
+            self._on_io(self._put, request.id, plan, blocks)
+
+    def _put(self, request_id: str, plan: CheckpointPlan, blocks: list[tuple[int, bytes]]
+             ) -> None:
         streamer = self._streamer(plan.holder)
-        for index, block_hash in request.new_full_blocks(self.seed):
+        for index, block_hash in blocks:
             sent = streamer.put_block(
-                ckpt_id=plan.ckpt_id, request_id=request.id, worker=plan.worker,
+                ckpt_id=plan.ckpt_id, request_id=request_id, worker=plan.worker,
                 block_index=index, block_hash=block_hash,
                 page=kv_page(block_hash, self.page_bytes),
                 token_count=(index + 1) * BLOCK_SIZE)
@@ -138,16 +169,19 @@ class SimCheckpointer:
                 self.counters.blocks_dropped += 1
 
     async def finish(self, plan: CheckpointPlan, within_s: float = 2.0) -> bool:
-        """Tell the holder to free the checkpoint. Off the decode path, so it may wait a
-        moment for the connection (a holder first contacted by a resumed request); if it
-        cannot be told, the holder's idle collection frees the pages later."""
-        streamer = self._streamer(plan.holder)
+        """Tell the holder to free the checkpoint (after its queued blocks: the I/O thread
+        runs in order). Off the decode path, so it may wait a moment for the connection (a
+        holder first contacted by a resumed request); if it cannot be told, the holder's
+        idle collection frees the pages later."""
         deadline = asyncio.get_running_loop().time() + within_s
-        while not streamer.finish(plan.ckpt_id):
+        while not await self._io_call(self._finish, plan):
             if asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(0.02)
         return True
+
+    def _finish(self, plan: CheckpointPlan) -> bool:
+        return self._streamer(plan.holder).finish(plan.ckpt_id)
 
     async def restore(self, prompt: list[int], plan: CheckpointPlan) -> int:
         """Tokens of `prompt` whose KV the holder has, verified; at least one token is left
@@ -180,8 +214,17 @@ class SimCheckpointer:
             streamer.close()
 
     def close(self) -> None:
-        for streamer in self._streamers.values():
-            streamer.close()
+        def close_all() -> None:
+            for streamer in self._streamers.values():
+                streamer.close()
+
+        self._io.submit(close_all)
+        self._io.shutdown(wait=True)
+
+
+def _log_failure(future: Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("checkpoint I/O failed", exc_info=future.exception())
 
 
 def is_kv_page(data: memoryview, block_hash: bytes, page_bytes: int) -> bool:
