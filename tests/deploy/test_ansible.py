@@ -14,10 +14,12 @@ import pwd
 import re
 import shutil
 import signal
+import ssl
 import stat
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +117,7 @@ def host_vars(name: str, prefix: Path, ports: list[int], user: str) -> dict[str,
         "ansible_python_interpreter": sys.executable,
         "ansible_become": False,
         "etcd_address": "127.0.0.1",
+        "etcd_tls": False,  # plaintext here; TLS in test_deploy_with_tls_and_a_member_added
         "etcd_client_port": client,
         "etcd_peer_port": peer,
         "etcd_cluster_token": f"lumen-ansible-test-{os.getpid()}",
@@ -266,3 +269,126 @@ def test_deploy_forms_a_cluster_and_is_idempotent(
     # Nothing was restarted by the second run.
     assert {name: int(Path(v["lumend_pid_file"]).read_text())
             for name, v in test_hosts.items()} == pids
+
+
+# -- etcd over TLS, and a member added to a running cluster ---------------------------------
+
+TLS_HOSTS = ("lumen-a", "lumen-b", "lumen-c", "lumen-d")
+
+
+@pytest.fixture
+def tls_hosts(tmp_path: Path) -> Iterator[dict[str, dict[str, Any]]]:
+    user = pwd.getpwuid(os.getuid()).pw_name
+    ports = free_ports(7 * len(TLS_HOSTS))
+    hosts = {}
+    for i, name in enumerate(TLS_HOSTS):
+        prefix = tmp_path / name
+        for sub in ("etc/default", "run", "log"):
+            (prefix / sub).mkdir(parents=True)
+        variables = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user)
+        variables["etcd_tls"] = True
+        variables["etcd_tls_dir"] = str(prefix / "etc/etcd/pki")
+        hosts[name] = variables
+    try:
+        yield hosts
+    finally:
+        for variables in hosts.values():
+            stop_pid_file(Path(variables["lumend_pid_file"]))
+        for variables in hosts.values():
+            stop_pid_file(Path(variables["etcd_pid_file"]))
+
+
+def tls_members(endpoint: str, context: ssl.SSLContext) -> list[str]:
+    request = urllib.request.Request(f"{endpoint}/v3/cluster/member/list", data=b"{}",
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        return sorted(m["name"] for m in json.loads(response.read())["members"])
+
+
+def lumenctl_status(config: Path) -> dict[str, Any]:
+    result = subprocess.run([str(BIN / "lumenctl"), "--config", str(config), "-o", "json",
+                             "status"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    status: dict[str, Any] = json.loads(result.stdout)
+    return status
+
+
+def test_deploy_with_tls_and_a_member_added(
+    tmp_path: Path, tls_hosts: dict[str, dict[str, Any]]
+) -> None:
+    inventory = tmp_path / "inventory.yml"
+    playbook = [str(BIN / "ansible-playbook"), "-i", str(inventory), str(ANSIBLE / "deploy.yml")]
+
+    def deploy(etcd_hosts: tuple[str, ...]) -> dict[str, dict[str, int]]:
+        inventory.write_text(yaml.safe_dump({"all": {"children": {
+            "etcd": {"hosts": {name: tls_hosts[name] for name in etcd_hosts}},
+            "lumen": {"hosts": {"lumen-a": tls_hosts["lumen-a"]}},
+        }}}))
+        result = run(playbook)
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-6000:]
+        counts = recap(output)
+        assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values())
+        return counts
+
+    def etcd_pids() -> dict[str, int]:
+        return {name: int(Path(v["etcd_pid_file"]).read_text()) for name, v in tls_hosts.items()
+                if Path(v["etcd_pid_file"]).exists()}
+
+    def settings(name: str) -> str:
+        return Path(tls_hosts[name]["etcd_default_file"]).read_text()
+
+    deploy(TLS_HOSTS[:3])
+
+    # The CA made once on the controller; every member serves https with its certificate
+    # and requires a client certificate signed by the CA.
+    pki = tmp_path / "lumen-etcd-pki"
+    admin = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    admin.load_cert_chain(pki / "client-admin.pem", pki / "client-admin-key.pem")
+    endpoints = {name: f"https://127.0.0.1:{v['etcd_client_port']}"
+                 for name, v in tls_hosts.items()}
+    for name in TLS_HOSTS[:3]:
+        assert tls_members(endpoints[name], admin) == list(TLS_HOSTS[:3])
+        assert "ETCD_CLIENT_CERT_AUTH=\"true\"" in settings(name)
+        for file in Path(tls_hosts[name]["etcd_tls_dir"]).iterdir():
+            assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+    no_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        tls_members(endpoints["lumen-a"], no_cert)
+
+    # lumend got its client certificate (0600, its user) and registered through TLS.
+    config_dir = Path(tls_hosts["lumen-a"]["lumend_config_dir"])
+    config = config_dir / "lumend.toml"
+    assert "https://" in config.read_text()
+    assert f'cert = "{config_dir / "etcd-client.pem"}"' in config.read_text()
+    for name in ("etcd-ca.pem", "etcd-client.pem", "etcd-client-key.pem"):
+        assert stat.S_IMODE((config_dir / name).stat().st_mode) == 0o600
+    assert [n["name"] for n in lumenctl_status(config)["nodes"]] == ["lumen-a"]
+
+    # A fourth host in the `etcd` group joins the running cluster; the others keep running
+    # with their settings untouched.
+    before = {name: settings(name) for name in TLS_HOSTS[:3]}
+    pids = etcd_pids()
+    deploy(TLS_HOSTS)
+    for name in TLS_HOSTS:
+        assert tls_members(endpoints[name], admin) == list(TLS_HOSTS)
+    assert {name: settings(name) for name in TLS_HOSTS[:3]} == before
+    assert {name: etcd_pids()[name] for name in TLS_HOSTS[:3]} == pids
+    joined = settings("lumen-d")
+    assert 'ETCD_INITIAL_CLUSTER_STATE="existing"' in joined
+    cluster = re.search(r'^ETCD_INITIAL_CLUSTER="([^"]*)"$', joined, re.M)
+    assert cluster is not None
+    assert sorted(entry.split("=")[0] for entry in cluster.group(1).split(",")) == \
+        list(TLS_HOSTS)
+    # lumend now knows all four endpoints (a rolling restart) and is registered again.
+    assert endpoints["lumen-d"] in config.read_text()
+    assert [n["name"] for n in lumenctl_status(config)["nodes"]] == ["lumen-a"]
+
+    # Idempotent: nothing changes on a third run, nothing restarts.
+    pids = etcd_pids()
+    lumend_pid = Path(tls_hosts["lumen-a"]["lumend_pid_file"]).read_text()
+    counts = deploy(TLS_HOSTS)
+    assert sorted(counts) == list(TLS_HOSTS)
+    assert {name: c["changed"] for name, c in counts.items()} == dict.fromkeys(TLS_HOSTS, 0)
+    assert etcd_pids() == pids
+    assert Path(tls_hosts["lumen-a"]["lumend_pid_file"]).read_text() == lumend_pid
