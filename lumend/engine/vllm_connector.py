@@ -66,6 +66,7 @@ SUPPORTED_VLLM = ((0, 32), (0, 33))
 LOOKUP_TIMEOUT_S = 0.5
 GET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
+IN_FLIGHT_MIB = 256  # per engine rank; kv_connector_extra_config {"in_flight_mib": N}
 
 
 def _check_vllm() -> None:
@@ -160,6 +161,8 @@ class LumenConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._in_flight_bytes = int(float(extra.get("in_flight_mib", IN_FLIGHT_MIB)) * 2**20)
         self._streamers: dict[str, CheckpointStreamer] = {}
         self._unreachable_logged: set[str] = set()
         # Scheduler side
@@ -181,8 +184,11 @@ class LumenConnector(KVConnectorBase_V1):
     def _streamer(self, holder: str, layout: PageLayout) -> CheckpointStreamer:
         streamer = self._streamers.get(holder)
         if streamer is None:
-            streamer = self._streamers[holder] = CheckpointStreamer(holder, layout,
-                                                                    **_curve_kwargs())
+            # A long prompt's prefill fills many blocks in one step: the send queue holds
+            # up to IN_FLIGHT_BYTES of pages (host memory) before blocks are dropped.
+            sndhwm = max(64, self._in_flight_bytes // max(1, layout.page_nbytes))
+            streamer = self._streamers[holder] = CheckpointStreamer(
+                holder, layout, sndhwm=sndhwm, **_curve_kwargs())
             # Pages put before the connection exists are dropped, and a checkpoint with a
             # gap at its start is useless: wait for a new holder once (a holder that does
             # not answer costs this step the wait, later steps nothing).

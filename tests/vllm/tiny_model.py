@@ -12,7 +12,7 @@ WORDS = [f"w{i}" for i in range(280)]
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def build_tiny_llama(directory: Path, seed: int = 0) -> Path:
+def build_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 512) -> Path:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -29,7 +29,7 @@ def build_tiny_llama(directory: Path, seed: int = 0) -> Path:
     config = LlamaConfig(
         vocab_size=len(vocab), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=3,
         tie_word_embeddings=False, torch_dtype="float32",
     )
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
