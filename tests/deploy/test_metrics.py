@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,9 @@ from lumenctl.localcluster import EtcdCluster
 from .conftest import Lumend, metric_value, wait_until
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "lumen.json"
-# Metric names in PromQL: ours, and the process metrics prometheus_client adds.
-METRIC_NAME = re.compile(r"\b((?:lumen|process|python)_[a-zA-Z0-9_]+)\b")
+# Metric names in PromQL: ours (lumend's lumen_*, the engines' lumen:*), and the process
+# metrics prometheus_client adds.
+METRIC_NAME = re.compile(r"\b((?:lumen|process|python)[_:][a-zA-Z0-9_:]+)\b")
 
 
 def dashboard_queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -53,6 +56,38 @@ def sample_names(exposition: str) -> set[str]:
             for sample in family.samples}
 
 
+def sample_value(exposition: str, name: str, labels: dict[str, str]) -> float:
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                return float(sample.value)
+    raise KeyError(f"{name}{labels} not in the scrape")
+
+
+def post(url: str, body: dict[str, Any]) -> int:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def engine_scrape(node: Lumend) -> str:
+    """The /metrics of whichever engine of the node's first worker answers."""
+    for port in node.ports[4:6]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text: str = r.read().decode()
+                return text
+        except OSError:
+            continue
+    raise AssertionError(f"no engine of {node.config.stem} serves /metrics")
+
+
 def test_dashboard_queries_name_only_exported_metrics(
     etcd: EtcdCluster, start_lumend: Callable[..., Lumend]
 ) -> None:
@@ -62,6 +97,13 @@ def test_dashboard_queries_name_only_exported_metrics(
     wait_until(lambda: "following coordinator m1" in second.log_text(), 30, "m2 to follow")
     wait_until(lambda: metric_value(second.scrape(), "lumen_node_ready") == 1, 60,
                "m2 ready: the engines of both its workers serving")
+
+    # One request through m2's gateway (admitted by the coordinator on m1), one refused.
+    gateway = f"http://127.0.0.1:{second.ports[0]}/v1/completions"
+    wait_until(lambda: post(gateway, {"prompt": "hello there", "max_tokens": 4}) == 200 and
+               sample_value(second.scrape(), "lumen_gateway_coordinated_total",
+                            {"call": "admit"}) >= 1, 30, "an admission by the coordinator")
+    assert post(gateway, {"max_tokens": 4}) == 400
     leader, follower = first.scrape(), second.scrape()
 
     # The values follow what the nodes do.
@@ -79,19 +121,39 @@ def test_dashboard_queries_name_only_exported_metrics(
     assert 'lumen_node_info{cluster="deploy",node="m2",version=' in follower
     assert metric_value(leader, "lumen_ha_cycle_duration_seconds_count") > 0
 
-    exported = sample_names(leader)
+    # The gateway, control-plane and checkpoint panels have live series to show.
+    assert sample_value(follower, "lumen_gateway_requests_total", {"outcome": "ok"}) >= 1
+    assert sample_value(follower, "lumen_gateway_rejected_total", {}) >= 1
+    assert {"lumen_gateway_degraded_total", "lumen_gateway_resumes_total"} <= \
+        sample_names(follower)
+    assert sample_value(leader, "lumen_coordinator_decisions_total", {"kind": "admit"}) >= 1
+    assert sample_value(follower, "lumen_ckpt_budget_bytes", {"worker": "m2-w0"}) > 0
+    assert metric_value(follower, "lumen_agent_stale_epoch_refused_total") == 0
+
+    # Every name a panel queries is a series lumend exports, or for the engine panels
+    # (lumen:*) one that the engines' own /metrics export.
+    engines = {name for name in sample_names(engine_scrape(second)) if name.startswith("lumen:")}
+    exported = sample_names(leader) | sample_names(follower) | engines
     dashboard = json.loads(DASHBOARD.read_text())
     queries = list(dashboard_queries(dashboard))
-    assert len(queries) >= 20
+    assert len(queries) >= 40
     assert unknown_metrics(dashboard, exported) == []
+    queried = {name for _, expr in queries for name in METRIC_NAME.findall(expr)}
+    assert {"lumen_ckpt_bytes_held", "lumen_ckpt_refusals_total", "lumen_gateway_degraded_total",
+            "lumen_agent_stale_epoch_refused_total", "lumen_coordinator_decisions_total",
+            "lumen:ckpt_requests_complete"} <= queried
 
     # Negative controls: a misspelt metric and a query without any metric are reported.
     broken = json.loads(DASHBOARD.read_text())
     broken["panels"][1]["targets"][0]["expr"] = "sum(lumen_node_registred)"
     broken["panels"][2]["targets"][0]["expr"] = "vector(1)"
+    coverage = next(p for p in broken["panels"] if p["title"] == "Checkpoint coverage (engines)")
+    coverage["targets"][0]["expr"] = "sum(lumen:ckpt_requests_completed)"
     assert unknown_metrics(broken, exported) == [
         "panel 'Nodes registered' target A: lumen_node_registred is not exported",
         "panel 'Nodes ready' target A: names no metric: vector(1)",
+        "panel 'Checkpoint coverage (engines)' target A: lumen:ckpt_requests_completed is not "
+        "exported",
     ]
 
     # A graceful stop of the coordinator: the follower wins and its counters show it.
