@@ -92,7 +92,8 @@ def trace(seed: int, duration_s: float, rate: float, prompt: tuple[int, int],
           output: tuple[int, int]) -> list[Request]:
     rng = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "kv", "page", "holder", "node", "token"]
-    requests, t = [], 0.0
+    requests: list[Request] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:
