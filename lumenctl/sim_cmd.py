@@ -245,24 +245,28 @@ def _print_table(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     tty = sys.stdout.isatty()
-    console = Console(no_color=not tty, width=None if tty else 160)
+    console = Console(no_color=not tty, width=None if tty else 220)
     head = (f"{doc['scenario'] or 'custom'}: {doc['workers']} workers, {doc['model']} on "
             f"{doc['gpu']}, {doc['requests']} requests at {doc['rate_rps']} req/s, fault "
             f"{doc['fault']} at {doc['fault_at_s']:g} s")
     table = Table(title=head, title_justify="left")
-    for col in ("POLICY", "TTFT ref -> fault", "TTFT P99", "TPOT ref -> fault", "RECOVERY",
-                "INTERRUPTED", "RESUMED", "REPLAY TTFT", "CKPT COVERAGE"):
-        table.add_column(col)
+    for col in ("POLICY", "TTFT ref -> fault", "TTFT P99", "TPOT ref -> fault", "TPOT P99",
+                "RECOVERY", "INTERRUPTED", "RESUMED", "REPLAY TTFT", "CKPT COVERAGE",
+                "HOLDER BALANCE", "ASSIST ACCEPT"):
+        table.add_column(col, no_wrap=col == "POLICY")
     for p in doc["policies"]:
         table.add_row(
             p["policy"],
             f"{_s(p['baseline_mean_ttft_s'])} -> {_s(p['mean_ttft_s'])}",
             _s(p["p99_ttft_s"]),
             f"{_ms(p['baseline_mean_tpot_s'])} -> {_ms(p['mean_tpot_s'])}",
+            _ms(p["p99_tpot_s"]),
             "never" if p["recovery_time_s"] is None else _s(p["recovery_time_s"]),
             str(p["interrupted"]), str(p["resumed"]),
             _s(p["replay_ttft_mean_s"]),
-            "-" if p["checkpoint_coverage"] is None else f"{100 * p['checkpoint_coverage']:.0f}%",
+            _share(p["checkpoint_coverage"]),
+            "-" if p["holder_balance"] is None else f"{p['holder_balance']:.2f}",
+            _share(p["assist_acceptance"]),
         )
     console.print(table)
     for c in doc["comparisons"]:
@@ -277,6 +281,10 @@ def _s(v: float | None) -> str:
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{1000 * v:.1f} ms"
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
 
 
 def _pct(v: float | None) -> str:

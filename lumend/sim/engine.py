@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from lumend.checkpoint.store import PROTECTED_SHARE
 from lumend.coordinator import policy
 from lumend.engine.costmodel import CostModel, load_cost_model
+from lumend.sim.assist import DraftFunction
 from lumend.sim.config import FaultKind, SimConfig
 from lumend.sim.links import Backlog, SharedLink
 from lumend.sim.workload import Workload
@@ -120,6 +121,7 @@ class Worker:
         "ck_backlog",
         "ck_t",
         "ctx_sum",
+        "drafted",
         "gain",
         "held",
         "idx",
@@ -156,6 +158,7 @@ class Worker:
         self.pending_rate: tuple[float, float] | None = None  # speed, gain at the next step
         self.assisting = -1              # target this (recovering) worker drafts for
         self.assisted_by = -1
+        self.drafted = False             # the step in flight verifies drafts (assisted)
         self.queue: deque[Req] = deque()  # not fully prefilled, FCFS
         self.running: list[tuple[int, int, Req]] = []  # heap of (end_step, rid, req)
         self.restoring: set[Req] = set()
@@ -226,6 +229,9 @@ class SimResult:
     evictions: int = 0              # checkpoint replicas evicted from full holders
     refused: int = 0                # placements that found no holder (every budget full)
     peak_held: list[float] = field(default_factory=list)  # per worker, bytes
+    draft_rounds: int = 0           # assisted sequence-steps (one draft of k tokens each)
+    drafted: int = 0                # tokens drafted: draft_rounds * k
+    draft_accepted: int = 0         # drafted tokens the targets accepted
 
 
 class Simulation:
@@ -281,6 +287,10 @@ class Simulation:
         self.evictions = 0
         self.refused = 0
         self.assists: list[tuple[int, int]] = []
+        self.draft = DraftFunction(cfg.spec_acceptance, cfg.spec_tokens)
+        self.draft_rng = random.Random(f"draft-{cfg.seed}")
+        self.draft_rounds = 0
+        self.draft_accepted = 0
         self.ck_bw = cfg.link_bytes_per_s
         self.chunk_tokens, self.max_batch = cfg.chunk_tokens, cfg.max_batch
         # Eq. 4 weights, for _touch's inline L_hat (tests check it against policy.loads).
@@ -340,7 +350,8 @@ class Simulation:
             raise SimError(f"{self.unfinished} requests never finished (simulator bug)")
         return SimResult(self.requests, self.samples, self.fault, self.events, now,
                          self.preemptions, self.assists, self.evictions, self.refused,
-                         [w.peak_held for w in self.workers])
+                         [w.peak_held for w in self.workers], self.draft_rounds,
+                         self.draft_rounds * self.draft.k, self.draft_accepted)
 
     # -- admission and completion -----------------------------------------------------------
 
@@ -532,6 +543,7 @@ class Simulation:
                 dt += load / self.cfg.restore_bytes_per_s
             if nrun and w.assisted_by >= 0:
                 dt += self._assist_extra(w, nrun)
+                w.drafted = True
             w.version += 1
             self.seq += 1
             heapq.heappush(self.heap, (now + dt, self.seq, EV_STEP, w, w.version))
@@ -554,6 +566,7 @@ class Simulation:
         w.run_base = (self.a + self.d * nrun + self.e * w.ctx_sum) / w.speed
         if w.assisted_by >= 0:
             w.run_base += self._assist_extra(w, nrun)
+            w.drafted = True
         w.run_inc = self.e * growth / w.speed
         w.state = RUN
         w.version += 1
@@ -563,6 +576,8 @@ class Simulation:
     def _step_end(self, w: Worker, now: float) -> None:
         produced = 0.0
         last: float | None = None
+        if w.drafted:
+            self._verify_drafts(w, len(w.running) * (1 if w.state == STEP else w.run_n))
         if w.state == STEP:
             nrun = len(w.running)
             if nrun:
@@ -682,6 +697,13 @@ class Simulation:
         w.running = rebased
         w.gain = gain
 
+    def _verify_drafts(self, w: Worker, rounds: int) -> None:
+        """The assisted steps that just ended verified `rounds` drafts: sample how many
+        drafted tokens the target kept."""
+        w.drafted = False
+        self.draft_rounds += rounds
+        self.draft_accepted += self.draft.accepted(self.draft_rng, rounds)
+
     def _assist_extra(self, w: Worker, nrun: int) -> float:
         """Per-step cost of speculative decoding: verify k more tokens per sequence, and the
         drafter's k steps (on the recovering worker) plus the round trip."""
@@ -786,6 +808,8 @@ class Simulation:
         if w.state == RUN:
             k = w.steps_done_by(now - w.t0)
             if k:
+                if w.drafted:
+                    self._verify_drafts(w, k * len(w.running))
                 self._advance(w, k)
                 if self.track_links:
                     produced = len(w.running) * w.gain * self.stream_kvb
@@ -809,6 +833,7 @@ class Simulation:
         w.state = IDLE
         w.version += 1
         w.ctx_sum = w.kv_used = w.ck_backlog = 0.0
+        w.drafted = False  # its step in flight never ends
         if w.assisting >= 0:
             self._stop_assist(w, now)
         if w.assisted_by >= 0:
@@ -938,9 +963,7 @@ class Simulation:
         w.assisting = target
         t.assisted_by = w.idx
         self.assists.append((w.idx, target))
-        a, k = self.cfg.spec_acceptance, self.cfg.spec_tokens
-        gain = (1 - a ** (k + 1)) / (1 - a)
-        self._set_rate(t, now, gain=gain)
+        self._set_rate(t, now, gain=self.draft.tokens_per_round())
 
     def _stop_assist(self, w: Worker, now: float) -> None:
         t = self.workers[w.assisting]

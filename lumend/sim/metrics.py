@@ -11,6 +11,9 @@
 * Replay TTFT: for interrupted requests, fault time until their next token.
 * Checkpoint coverage: checkpointed tokens usable at the fault over tokens resident on the
   failed workers (requests with a live holder and a whole block count).
+* Holder balance: max / mean checkpoint bytes held over the live workers at the fault.
+* Assist acceptance: drafted tokens the assisted survivors accepted over tokens drafted, from
+  the draft rounds the run verified (None when no draft round ran: no assist in the policy).
 * Detection and return: seconds from the fault until the cluster noticed it and until the
   failed workers served again (shadow takeover or reload).
 * Evictions: checkpoint replicas evicted from full holders; refused: placements that found
@@ -48,6 +51,8 @@ class PolicyMetrics:
     replay_done_s: float | None      # fault until the last interrupted request streams again
     checkpoint_coverage: float | None
     holder_balance: float | None
+    assist_acceptance: float | None  # accepted / drafted tokens over the run's draft rounds
+    draft_rounds: int
     detected_after_s: float | None
     back_after_s: float | None
     evictions: int
@@ -155,6 +160,9 @@ def summarize(
         replay_done_s=max(replays) if replays else None,
         checkpoint_coverage=covered / resident if resident > 0 else None,
         holder_balance=fault.holder_balance if fault else None,
+        assist_acceptance=(faulted.draft_accepted / faulted.drafted
+                           if faulted.drafted else None),
+        draft_rounds=faulted.draft_rounds,
         detected_after_s=(fault.detected_at - fault.at
                           if fault and fault.detected_at is not None else None),
         back_after_s=fault.back_at - fault.at if fault and fault.back_at is not None else None,
