@@ -40,9 +40,19 @@ def _fail(code: int, message: str) -> NoReturn:
     raise typer.Exit(code)
 
 
+HELP = (
+    "Simulate a failure on a cluster under each policy and compare them.\n\n"
+    "Per policy, over the failure-impact window: mean and p99 TTFT and TPOT (beside the "
+    "failure-free run's), recovery time, interrupted and resumed requests, their replay "
+    "TTFT, checkpoint coverage, holder balance (max/mean checkpoint bytes held) and assist "
+    "acceptance (accepted/drafted tokens; '-' or null without draft assist). "
+    "See docs/simulator.md."
+)
+
+
 def register(app: typer.Typer) -> None:
     """Add the `sim` command to `app`."""
-    app.command(name="sim")(sim)
+    app.command(name="sim", help=HELP)(sim)
 
 
 def sim(
@@ -91,7 +101,7 @@ def sim(
     plot: Path | None = typer.Option(
         None, "--plot", help="Write a PNG timeline of TTFT and queue depth."),
 ) -> None:
-    """Simulate a failure on a cluster under each policy and compare them."""
+    """Simulate a failure on a cluster under each policy and compare them (--help: HELP)."""
     from lumend.coordinator.policy import GIB
     from lumend.engine.costmodel import PresetError
     from lumend.sim.config import SCENARIOS, FaultKind, FaultSpec, SimConfig, expand_policies

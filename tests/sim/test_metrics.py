@@ -167,3 +167,12 @@ def test_thinned_rounds_match_rounds_drafted_one_token_at_a_time() -> None:
     assert batched == pytest.approx(one_by_one, rel=0.01)
     # The engine advances an assisted batch at this rate: one own token plus the accepted.
     assert draft.tokens_per_round() == pytest.approx(1 + one_by_one / rounds, rel=0.01)
+
+
+def test_help_names_the_metrics() -> None:
+    done = lumenctl("sim", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    for words in ("p99 TTFT and TPOT", "recovery time", "replay TTFT", "checkpoint coverage",
+                  "holder balance", "assist acceptance"):
+        assert words in text
