@@ -226,6 +226,15 @@ class GatewayCollector(Collector):
         for kind, n in sorted(c.rejected.items()):
             rejected.add_metric([kind], n)
         yield rejected
+        latency = self._gateway.latency
+        for name, buckets, what in (
+            ("ttft", latency.ttft, "From a request's arrival to its first token sent."),
+            ("tpot", latency.tpot, "Mean time between a request's tokens (per request)."),
+            ("recovery", latency.recovery, "From an upstream breaking mid-stream to the "
+             "next token sent to the client (resume or recompute included)."),
+        ):
+            yield HistogramMetricFamily(f"lumen_gateway_{name}_seconds", what,
+                                        buckets=buckets.cumulative(), sum_value=buckets.total)
 
 
 def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFamily:

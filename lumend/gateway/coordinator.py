@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lumend.cluster.view import ClusterView
+from lumend.gateway.latency import DECISION_BUCKETS, Buckets
 from lumend.rpc.client import CoordinatorClient, RpcFailure
 from lumend.rpc.messages import Admission, RecoverAsk, Recovery
 from lumend.rpc.tls import RpcTls
@@ -47,6 +48,8 @@ class CoordinatorLink:
         self._tls = tls
         self.timing = timing or LinkTiming()
         self.degraded: Counter[str] = Counter()  # local decisions, by call: admit, recover
+        # Round trips of the coordinator's answers, by call.
+        self.decision_seconds = {call: Buckets(DECISION_BUCKETS) for call in ("admit", "recover")}
         self.answered: Counter[str] = Counter()  # decisions the coordinator made
         self.coordinator_changes = 0  # recoveries answered by a coordinator elected meanwhile
         self.highest_epoch = 0
@@ -105,8 +108,10 @@ class CoordinatorLink:
             self._degrade("admit", f"coordinator at {term[0]} did not answer recently")
             return None
         try:
+            asked = time.monotonic()
             admission = await self._client(term[0]).admit(
                 request_id, model, self.node, exclude, self.timing.admit_deadline_s)
+            self.decision_seconds["admit"].observe(time.monotonic() - asked)
             self._check_epoch(term, admission.epoch)
         except RpcFailure as exc:
             self._failed(term, exc)
@@ -126,8 +131,10 @@ class CoordinatorLink:
             if term is not None:
                 first = first or term
                 try:
+                    asked = time.monotonic()
                     recovery = await self._client(term[0]).recover(
                         ask, self.timing.recover_deadline_s)
+                    self.decision_seconds["recover"].observe(time.monotonic() - asked)
                     self._check_epoch(term, recovery.epoch)
                 except RpcFailure as exc:
                     self._failed(term, exc)

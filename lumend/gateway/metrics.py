@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lumend.gateway.coordinator import CoordinatorLink
@@ -32,3 +32,10 @@ class CoordinatorLinkCollector(Collector):
             "lumen_gateway_recover_coordinator_changes", "Recoveries answered by a "
             "coordinator elected while the request waited.",
             value=self._link.coordinator_changes)
+        seconds = HistogramMetricFamily(
+            "lumen_gateway_decision_seconds", "Round trip of the coordinator's answers to "
+            "this gateway, by call (admit, recover).", labels=["call"])
+        for call in CALLS:
+            buckets = self._link.decision_seconds[call]
+            seconds.add_metric([call], buckets.cumulative(), sum_value=buckets.total)
+        yield seconds

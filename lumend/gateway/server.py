@@ -30,6 +30,7 @@ from lumend.cluster.view import ClusterView
 from lumend.config import parse_listen
 from lumend.gateway.checkpoints import Placement, place, route
 from lumend.gateway.coordinator import CoordinatorLink
+from lumend.gateway.latency import StreamLatency
 from lumend.gateway.routing import Target, choose_worker, drained, models
 from lumend.gateway.upstream import (
     EngineRefused,
@@ -87,6 +88,7 @@ class Progress:
     tokens: int = 0
     finish_reason: str | None = None
     workers: list[str] = field(default_factory=list)
+    broken_at: float | None = None  # when its upstream last broke, until the next token
 
 
 class Gateway:
@@ -99,6 +101,7 @@ class Gateway:
         # nodes without a control plane).
         self.coordinator = coordinator
         self.counters = GatewayCounters()
+        self.latency = StreamLatency()
         self.in_flight: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -189,9 +192,27 @@ class Gateway:
     async def _pieces(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
                       on_piece: Callable[[str, str | None], Any]) -> None:
         """Drive the request to its end, resuming after upstream failures."""
+        started = time.monotonic()
+        first: float | None = None
+        last = started
+
+        async def timed(text: str, finish: str | None) -> Any:
+            nonlocal first, last
+            if text:
+                last = time.monotonic()
+                if first is None:
+                    first = last
+                    self.latency.ttft.observe(first - started)
+                if progress.broken_at is not None:
+                    self.latency.recovery.observe(last - progress.broken_at)
+                    progress.broken_at = None
+            return await on_piece(text, finish)
+
         try:
-            await self._drive(rid, body, chat, progress, on_piece)
+            await self._drive(rid, body, chat, progress, timed)
         finally:
+            if first is not None and progress.tokens > 1:
+                self.latency.tpot.observe((last - first) / (progress.tokens - 1))
             if self.coordinator is not None:
                 self.coordinator.finish(rid)
 
@@ -252,6 +273,8 @@ class Gateway:
                 log.warning("stream from %s broke after %d tokens: %s", target.worker,
                             progress.tokens, exc)
                 broken_worker = target.worker  # its shadow may already serve
+                if progress.broken_at is None:
+                    progress.broken_at = time.monotonic()
                 prefix = len(progress.text) + self._prompt_chars(body, chat)
                 routed = await self._recovery(rid, model, placement, target.worker, prefix)
             finally:

@@ -145,6 +145,13 @@ def test_streams_survive_the_loss_of_their_engine(tmp_path: Path, shadows: int) 
             os.kill(victim.proc.pid, signal.SIGKILL)
             await streams.check_against_failure_free()
             assert gateway.counters.resumes >= 1, "no stream was interrupted: the test is void"
+            # Latency histograms: every stream had a first token and a token rate; every
+            # interrupted one a recovery (break -> next token out).
+            latency = gateway.latency
+            served = gateway.counters.requests["ok"] + gateway.counters.requests["resumed"]
+            assert latency.ttft.count == latency.tpot.count == served
+            assert 1 <= latency.recovery.count <= gateway.counters.resumes
+            assert latency.recovery.cumulative()[-1] == ("+Inf", float(latency.recovery.count))
 
     asyncio.run(scenario())
 
