@@ -113,7 +113,8 @@ bad_inputs = st.one_of(
               st.builds(Export, id=ids, allocation=ids), st.builds(Commit, id=ids)).map(encode),
     # Maps that are msgpack but no request: unknown op, wrong field types.
     st.dictionaries(st.sampled_from(["type", "id", "op", "size"]),
-                    st.one_of(st.integers(), st.text(max_size=8), st.none()),
+                    st.one_of(st.integers(min_value=-(2**63), max_value=2**64 - 1),  # msgpack's
+                              st.text(max_size=8), st.none()),
                     max_size=4).map(lambda d: encode(d)),
 )
 

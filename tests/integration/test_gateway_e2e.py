@@ -52,8 +52,15 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
                 assert time.monotonic() < wait_gateway, "the gateway never saw a worker"
                 await asyncio.sleep(0.1)
             streams = await Streams.start(session, base, "stream {} of the end-to-end test")
-            view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
-            victim = max(view.workers.values(), key=lambda w: w.load.running)
+            # Kill the engine the streams run on: wait until a heartbeat shows them (load
+            # is published once per HA cycle; on a busy machine the first read is stale).
+            deadline = time.monotonic() + 15
+            while True:
+                view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
+                victim = max(view.workers.values(), key=lambda w: w.load.running)
+                if victim.load.running > 0 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
             pid = next(e.pid for e in victim.engines if e.role == "active")
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
