@@ -326,9 +326,11 @@ def test_deploy_with_tls_and_a_member_added(
         }}}))
         result = run(playbook)
         output = result.stdout + result.stderr
-        assert result.returncode == 0, output[-6000:]
+        log = tmp_path / f"deploy-{len(list(tmp_path.glob('deploy-*.log')))}.log"
+        log.write_text(output)
+        assert result.returncode == 0, f"see {log}\n" + output[-6000:]
         counts = recap(output)
-        assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values())
+        assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in counts.values()), log
         return counts
 
     def etcd_pids() -> dict[str, int]:
