@@ -21,6 +21,7 @@ import msgspec
 
 from lumend.checkpoint.security import CurveKeys, KeyFileError
 from lumend.engine.sim_models import SIM_MODELS
+from lumend.gateway.auth import ApiKeyFileError, ApiKeys
 
 DEFAULT_CONFIG_PATH = "/etc/lumen/lumend.toml"
 
@@ -183,6 +184,15 @@ class ListenSection(msgspec.Struct, frozen=True, kw_only=True):
         return parse_listen(self.listen)
 
 
+class GatewaySection(msgspec.Struct, frozen=True, kw_only=True):
+    listen: str = _GATEWAY_LISTEN
+    api_keys: str | None = None  # the API key file (lumend.gateway.auth); None: no keys
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
 class RpcSection(msgspec.Struct, frozen=True, kw_only=True):
     listen: str = _RPC_LISTEN
     # mTLS for the gRPC control plane: all three, or none (plaintext).
@@ -233,9 +243,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
 class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     node: NodeSection
     etcd: EtcdSection
-    gateway: ListenSection = msgspec.field(
-        default_factory=lambda: ListenSection(listen=_GATEWAY_LISTEN)
-    )
+    gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
     rpc: RpcSection = msgspec.field(default_factory=RpcSection)
     checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
     metrics: ListenSection = msgspec.field(
@@ -321,7 +329,7 @@ _CHECKPOINT_KEYS = ("listen", "budget_bytes", "eviction", "keys", "insecure")
 _CURVE_KEYS_EXAMPLE = "/etc/lumen/checkpoint.keys"
 _WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "args", "port")
 _SERVICES = {  # section -> (its keys, default listen address)
-    "gateway": (("listen",), _GATEWAY_LISTEN),
+    "gateway": (("listen", "api_keys"), _GATEWAY_LISTEN),
     "rpc": (("listen", "ca", "cert", "key"), _RPC_LISTEN),
     "checkpoint": (_CHECKPOINT_KEYS, _CHECKPOINT_LISTEN),
     "metrics": (("listen",), _METRICS_LISTEN),
@@ -556,6 +564,8 @@ def _validate(document: dict[str, Any], problems: list[ConfigProblem]) -> dict[s
             checkpoint = table
         if name == "rpc":
             _check_rpc_tls(table)
+        if name == "gateway":
+            _check_api_keys(table)
         if port is not None:
             services.append((table, port))
         config[name] = table.values
@@ -761,6 +771,25 @@ def _check_checkpoint_security(table: _Table, *, has_workers: bool) -> None:
         CurveKeys.load(path)
     except KeyFileError as exc:
         table.problem("keys", path, str(exc))
+
+
+_API_KEYS_EXAMPLE = "/etc/lumen/api-keys"
+
+
+def _check_api_keys(table: _Table) -> None:
+    """[gateway] api_keys: an absolute path to a private, readable key file; absent, the
+    gateway is open."""
+    path = table.text("api_keys", f'"{_API_KEYS_EXAMPLE}"')
+    if path is None:
+        return
+    if not os.path.isabs(path):
+        table.problem("api_keys", path,
+                      f'use an absolute path, e.g. api_keys = "{_API_KEYS_EXAMPLE}"')
+        return
+    try:
+        ApiKeys.load(path)
+    except ApiKeyFileError as exc:
+        table.problem("api_keys", path, str(exc))
 
 
 _RPC_TLS_EXAMPLES = {

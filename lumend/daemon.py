@@ -21,6 +21,7 @@ from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
 from lumend.failover.intents import DrainStates, FailoverIntents
 from lumend.failover.supervisor import WorkerSupervisor
+from lumend.gateway.auth import ApiKeyFileError, load_api_keys
 from lumend.gateway.server import Gateway, GatewayBindError
 from lumend.metrics import (
     CheckpointCollector,
@@ -195,6 +196,11 @@ class Node:
             self.link_via(), f"{self.link.watchdog_s:g} s" if self.link.watchdog_s else "off",
         )
         try:
+            self.gateway.api_keys = load_api_keys(config.gateway.api_keys)
+        except ApiKeyFileError as exc:  # checked with the config; changed on disk since
+            await self.store.close()
+            raise StartupError(f"gateway.api_keys: {exc}") from None
+        try:
             await self.server.start(config.metrics.listen)
         except MetricsBindError as exc:
             await self.store.close()
@@ -237,6 +243,21 @@ class Node:
             await self.store.close()
             await self.server.stop()
             log.info("stopped")
+
+    def _reload_api_keys(self, path: str | None) -> bool | None:
+        """Load the gateway's API keys from `path` again: whether they changed, None when
+        the file cannot be used (the gateway keeps the keys it has)."""
+        try:
+            keys = load_api_keys(path)
+        except ApiKeyFileError as exc:
+            log.error("reload: gateway.api_keys: %s; the gateway keeps its current keys", exc)
+            return None
+        if keys == self.gateway.api_keys:
+            return False
+        self.gateway.api_keys = keys
+        log.info("reload: gateway API keys: %s", "none, the API is open to anyone who can "
+                 "reach it" if keys is None else f"{len(keys)} from {path}")
+        return True
 
     def link_via(self) -> str:
         notifier = self.link.notifier
@@ -282,7 +303,16 @@ class Node:
             log.warning("reload: %s changed but cannot change while lumend runs; the old "
                         "value stays in force until a restart (systemctl restart lumend)", key)
         applied = []
+        # The key file is re-read on every reload: its contents change under the same path.
+        keys_changed = self._reload_api_keys(config.gateway.api_keys)
+        if keys_changed is None:
+            config = msgspec.structs.replace(config, gateway=self.config.gateway)
+            refused.append("gateway.api_keys")
+        elif keys_changed and "gateway.api_keys" not in plan.live:
+            applied.append("gateway.api_keys")
         for key in plan.live:
+            if key == "gateway.api_keys" and keys_changed is None:
+                continue
             if key == "metrics.listen":
                 try:
                     await self.server.rebind(config.metrics.listen)

@@ -226,6 +226,9 @@ class GatewayCollector(Collector):
         for kind, n in sorted(c.rejected.items()):
             rejected.add_metric([kind], n)
         yield rejected
+        keys = self._gateway.api_keys
+        yield _gauge("lumen_gateway_api_keys", "API keys the gateway accepts; 0: none "
+                     "configured, the API is open.", len(keys) if keys is not None else 0)
         latency = self._gateway.latency
         for name, buckets, what in (
             ("ttft", latency.ttft, "From a request's arrival to its first token sent."),

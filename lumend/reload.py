@@ -18,6 +18,7 @@ from lumend.config import NodeConfig
 # Dotted key -> what applying it does (for the log line).
 LIVE_KEYS: dict[str, str] = {
     "metrics.listen": "the metrics server moves to the new address",
+    "gateway.api_keys": "the gateway checks requests against the keys of the new file",
 }
 
 
@@ -53,4 +54,7 @@ def plan_reload(old: NodeConfig, new: NodeConfig) -> ReloadPlan:
     config = old
     if "metrics.listen" in live:
         config = msgspec.structs.replace(config, metrics=new.metrics)
+    if "gateway.api_keys" in live:
+        config = msgspec.structs.replace(config, gateway=msgspec.structs.replace(
+            config.gateway, api_keys=new.gateway.api_keys))
     return ReloadPlan(config=config, live=live, refused=refused)

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from aiohttp import web
 
 from lumend.cluster.view import ClusterView
 from lumend.config import parse_listen
+from lumend.gateway.auth import ApiKeys, Denied, RefusalLog
 from lumend.gateway.checkpoints import Placement, place, route
 from lumend.gateway.coordinator import CoordinatorLink
 from lumend.gateway.latency import StreamLatency
@@ -107,11 +108,15 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._upstreams: set[Upstream] = set()  # open engine streams, for migrations
         self._watcher: asyncio.Task[None] | None = None
+        # None: no keys configured, anyone who reaches the gateway may use it. Replaced
+        # whole on reload, so a request sees the old keys or the new ones.
+        self.api_keys: ApiKeys | None = None
+        self._auth_log = RefusalLog()
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._auth])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
@@ -136,6 +141,13 @@ class Gateway:
         self._runner = runner
         self._watcher = asyncio.create_task(self._watch_migrations(), name="gateway-migrations")
         log.info("gateway serving the OpenAI API on http://%s", listen)
+        if self.api_keys is None:
+            log.warning("gateway: no [gateway] api_keys configured: the API on %s is open to "
+                        "anyone who can reach it", listen)
+        else:
+            log.info("gateway: %d API keys from %s (every endpoint but /health needs one)",
+                     len(self.api_keys), self.api_keys.path)
+
 
     async def stop(self) -> None:
         if self._watcher is not None:
@@ -149,6 +161,23 @@ class Gateway:
             await self.coordinator.close()
 
     # -- endpoints ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _auth(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        keys = self.api_keys
+        if keys is None or request.path == "/health":
+            return await handler(request)
+        outcome = keys.check(request.headers.get("Authorization"))
+        if isinstance(outcome, Denied):
+            self.counters.rejected[outcome.kind] += 1
+            self._auth_log.refused(request.remote, outcome.message)
+            return web.json_response(
+                {"error": {"message": outcome.message, "type": outcome.kind, "param": None,
+                           "code": "invalid_api_key"}},
+                status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     async def _health(self, _: web.Request) -> web.Response:
         view = self._view()
