@@ -94,12 +94,12 @@ def global_options(
     ctx: typer.Context,
     endpoints: str | None = typer.Option(
         None, "--endpoints", envvar="LUMEN_ENDPOINTS",
-        help="etcd endpoints, comma-separated (default: [etcd] endpoints of --config, else "
+        help="etcd endpoints, comma-separated (default: etcd.endpoints of --config, else "
         f"{DEFAULT_ENDPOINT}).",
     ),
     cluster: str | None = typer.Option(
         None, "--cluster", envvar="LUMEN_CLUSTER",
-        help="Cluster name (default: [etcd] cluster of --config, else 'default').",
+        help="Cluster name (default: etcd.cluster of --config, else 'default').",
     ),
     output: Output = typer.Option(Output.table, "--output", "-o", help="Output format."),
     config: Path = typer.Option(
@@ -109,16 +109,16 @@ def global_options(
     timeout_s: float = typer.Option(2.0, "--timeout", help="Per-request etcd timeout, seconds."),
     ca_cert: Path | None = typer.Option(
         None, "--ca-cert", envvar="LUMEN_ETCD_CA_CERT",
-        help="CA certificate of the etcd servers, for https:// endpoints (default: [etcd] "
-        "ca_cert of --config).",
+        help="CA certificate of the etcd servers, for https:// endpoints (default: "
+        "etcd.ca_cert of --config).",
     ),
     cert: Path | None = typer.Option(
         None, "--cert", envvar="LUMEN_ETCD_CERT",
-        help="Client certificate for etcd (default: [etcd] cert of --config).",
+        help="Client certificate for etcd (default: etcd.cert of --config).",
     ),
     key: Path | None = typer.Option(
         None, "--key", envvar="LUMEN_ETCD_KEY",
-        help="Client key for etcd (default: [etcd] key of --config).",
+        help="Client key for etcd (default: etcd.key of --config).",
     ),
 ) -> None:
     defaults = _defaults_from_config(config)
