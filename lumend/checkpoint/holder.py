@@ -100,6 +100,7 @@ class HolderService:
         self.bad_frames: Counter[str] = Counter({r: 0 for r in wire.BAD_FRAME_REASONS})
         self.lookups = 0
         self.gets = 0
+        self.finishes_ignored = 0
         self._last_warning: dict[str, float] = {}
         self.endpoint = ""
 
@@ -292,7 +293,7 @@ class HolderService:
             self.lookups += 1
             hashes = [wire.hash_bytes(x, f"hashes[{i}]") for i, x in enumerate(h.hashes)]
             matched = store.lookup(h.ckpt_id, hashes, model=h.model,
-                                   fingerprint=h.layout_fingerprint)
+                                   fingerprint=h.layout_fingerprint, request_id=h.request_id)
             return [wire.encode_header(wire.request(wire.ACK, seq=h.seq, ckpt_id=h.ckpt_id,
                                                     matched=matched))]
         if h.op == wire.GET:
@@ -308,7 +309,8 @@ class HolderService:
                                  dtype=m.dtype, page_shape=list(m.page_shape))
             return [wire.encode_header(reply), page.data]
         if h.op == wire.FINISH:
-            store.finish(h.ckpt_id)
+            if store.finish(h.ckpt_id, h.request_id) is None:
+                self.finishes_ignored += 1  # from an engine the request has moved away from
             return [wire.encode_header(wire.request(wire.ACK, seq=h.seq, ckpt_id=h.ckpt_id))]
         raise WireError("malformed", f"op: {h.op} is a reply, not a request")
 

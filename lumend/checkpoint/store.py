@@ -59,6 +59,10 @@ class Checkpoint:
     nbytes: int = 0
     tokens: int = 0
     sealed: bool = False  # a page was refused: what it holds stays, nothing more is added
+    # The engine request that last wrote (PUT) or looked it up (LOOKUP) to resume: only its
+    # FINISH frees the checkpoint. After a request moved to another engine, the engine it
+    # left must not free what the new one continues from.
+    owner: str = ""
 
     def add(self, block_hash: bytes, tp_rank: int, page: Page) -> None:
         old = self.pages.get((block_hash, tp_rank))
@@ -151,13 +155,19 @@ class CheckpointStore:
             self.checkpoints[ckpt_id] = ckpt
             stats.requests += 1
         ckpt.add(block_hash, tp_rank, Page(meta, data, nbytes))
+        ckpt.owner = request_id or ckpt.owner
         stats.bytes_held += growth
         return PutResult(ckpt.reached.get(tp_rank, 0), tuple(evicted))
 
-    def finish(self, ckpt_id: str) -> int:
-        """Free a checkpoint's pages (every rank); returns the bytes freed. Idempotent."""
-        self._dead.pop(ckpt_id, None)
+    def finish(self, ckpt_id: str, request_id: str = "") -> int | None:
+        """Free a checkpoint's pages (every rank); returns the bytes freed. Idempotent.
+
+        None when `request_id` names a request that no longer owns the checkpoint (another
+        engine resumed it since): nothing is freed."""
         ckpt = self.checkpoints.get(ckpt_id)
+        if ckpt is not None and request_id and ckpt.owner and request_id != ckpt.owner:
+            return None
+        self._dead.pop(ckpt_id, None)
         if ckpt is None:
             return 0
         self._drop(ckpt)
@@ -178,8 +188,9 @@ class CheckpointStore:
     # -- reads ----------------------------------------------------------------------------
 
     def lookup(self, ckpt_id: str, hashes: Sequence[bytes], *, model: str = "",
-               fingerprint: str = "") -> int:
-        """How many consecutive blocks of `hashes`, from the first, every tp rank holds."""
+               fingerprint: str = "", request_id: str = "") -> int:
+        """How many consecutive blocks of `hashes`, from the first, every tp rank holds.
+        A `request_id` (a resuming engine's request) takes over ownership when any match."""
         ckpt = self.checkpoints.get(ckpt_id)
         if ckpt is None:
             return 0
@@ -192,6 +203,8 @@ class CheckpointStore:
             if not all((h, rank) in ckpt.pages for rank in range(ckpt.tp_size)):
                 break
             matched += 1
+        if matched and request_id:
+            ckpt.owner = request_id
         return matched
 
     def get(self, ckpt_id: str, block_hash: bytes, tp_rank: int) -> Page | None:

@@ -150,14 +150,15 @@ class CheckpointStreamer:
         self.counters.sent += 1
         return True
 
-    def finish(self, ckpt_id: str) -> bool:
-        """Tell the holder the request ended (its pages are freed); False when not sent."""
+    def finish(self, ckpt_id: str, request_id: str = "") -> bool:
+        """Tell the holder the request ended (its pages are freed unless another request
+        has resumed the checkpoint since: name `request_id`); False when not sent."""
         progress = self.progress.pop(ckpt_id, None)
         if progress is not None:
             progress.finished = True
         try:
-            self._stream.send(wire.encode_header(wire.request(wire.FINISH, ckpt_id=ckpt_id)),
-                              flags=zmq.NOBLOCK)
+            self._stream.send(wire.encode_header(wire.request(
+                wire.FINISH, ckpt_id=ckpt_id, request_id=request_id)), flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
@@ -212,11 +213,14 @@ class CheckpointStreamer:
     # -- resume side (waits, with a timeout) ----------------------------------------------
 
     def lookup(self, ckpt_id: str, hashes: Sequence[bytes | str], *,
-               timeout_s: float = 1.0) -> int | None:
-        """Consecutive blocks of `hashes` the holder has on every tp rank; None: no answer."""
+               timeout_s: float = 1.0, request_id: str = "") -> int | None:
+        """Consecutive blocks of `hashes` the holder has on every tp rank; None: no answer.
+        With `request_id` the resuming request takes the checkpoint over (its FINISH, not
+        the previous engine's, frees it)."""
         reply = self._call(wire.request(
             wire.LOOKUP, ckpt_id=ckpt_id, hashes=list(hashes), model=self.layout.model,
-            layout_fingerprint=self.layout.layout_fingerprint), timeout_s)
+            layout_fingerprint=self.layout.layout_fingerprint, request_id=request_id),
+            timeout_s)
         if reply is None or reply.header.op != wire.ACK:
             return None
         return reply.header.matched

@@ -168,36 +168,38 @@ class SimCheckpointer:
             else:
                 self.counters.blocks_dropped += 1
 
-    async def finish(self, plan: CheckpointPlan, within_s: float = 2.0) -> bool:
+    async def finish(self, plan: CheckpointPlan, request_id: str = "",
+                     within_s: float = 2.0) -> bool:
         """Tell the holder to free the checkpoint (after its queued blocks: the I/O thread
         runs in order). Off the decode path, so it may wait a moment for the connection (a
         holder first contacted by a resumed request); if it cannot be told, the holder's
         idle collection frees the pages later."""
         deadline = asyncio.get_running_loop().time() + within_s
-        while not await self._io_call(self._finish, plan):
+        while not await self._io_call(self._finish, plan, request_id):
             if asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(0.02)
         return True
 
-    def _finish(self, plan: CheckpointPlan) -> bool:
-        return self._streamer(plan.holder).finish(plan.ckpt_id)
+    def _finish(self, plan: CheckpointPlan, request_id: str) -> bool:
+        return self._streamer(plan.holder).finish(plan.ckpt_id, request_id)
 
-    async def restore(self, prompt: list[int], plan: CheckpointPlan) -> int:
+    async def restore(self, prompt: list[int], plan: CheckpointPlan,
+                      request_id: str = "") -> int:
         """Tokens of `prompt` whose KV the holder has, verified; at least one token is left
         to compute (the step that yields the next token)."""
         await self.connect(plan)  # the request's FINISH goes through this connection
-        restored = await asyncio.to_thread(self._fetch, prompt, plan)
+        restored = await asyncio.to_thread(self._fetch, prompt, plan, request_id)
         restored = min(restored, len(prompt) - 1)
         self.counters.restored_tokens += restored
         return restored
 
-    def _fetch(self, prompt: list[int], plan: CheckpointPlan) -> int:
+    def _fetch(self, prompt: list[int], plan: CheckpointPlan, request_id: str = "") -> int:
         # A streamer of its own: ZeroMQ sockets belong to one thread.
         streamer = CheckpointStreamer(plan.holder, self.layout, curve=self.curve)
         try:
             hashes = block_hashes(self.seed, prompt)
-            matched = streamer.lookup(plan.ckpt_id, hashes) or 0
+            matched = streamer.lookup(plan.ckpt_id, hashes, request_id=request_id) or 0
             if not matched:
                 self.counters.restore_misses += 1
                 return 0

@@ -245,10 +245,11 @@ class SimEngine:
         task.add_done_callback(self._background.discard)
 
     def submit(self, prompt: list[int], max_tokens: int, *, restored: int = 0,
-               plan: CheckpointPlan | None = None) -> tuple[SimRequest,
-                                                             asyncio.Queue[int | None]]:
+               plan: CheckpointPlan | None = None, request_id: str | None = None,
+               ) -> tuple[SimRequest, asyncio.Queue[int | None]]:
         queue: asyncio.Queue[int | None] = asyncio.Queue()
-        request = SimRequest(id=uuid.uuid4().hex, prompt=prompt, max_tokens=max_tokens,
+        request = SimRequest(id=request_id or uuid.uuid4().hex, prompt=prompt,
+                             max_tokens=max_tokens,
                              emit=queue.put_nowait, prefilled=restored)
         if plan is not None and plan.mode == "save":
             self.saving[request.id] = (request, plan)
@@ -394,11 +395,13 @@ def build_app(engine: SimEngine) -> web.Application:
         except (ValueError, TypeError, json.JSONDecodeError) as exc:
             return _error(400, f"bad request: {exc}", "invalid_request_error")
         restored = 0
+        request_id = uuid.uuid4().hex  # also the checkpoint's owner while it runs here
         if plan is not None and plan.mode == "resume":
-            restored = await engine.checkpointer.restore(prompt, plan)
+            restored = await engine.checkpointer.restore(prompt, plan, request_id)
         elif plan is not None:
             await engine.checkpointer.connect(plan)
-        sim_request, queue = engine.submit(prompt, max_tokens, restored=restored, plan=plan)
+        sim_request, queue = engine.submit(prompt, max_tokens, restored=restored, plan=plan,
+                                           request_id=request_id)
         rid = ("chatcmpl-" if chat else "cmpl-") + sim_request.id
         try:
             if body.get("stream"):
@@ -407,7 +410,7 @@ def build_app(engine: SimEngine) -> web.Application:
         finally:
             sim_request.cancelled = len(sim_request.output) < max_tokens
             if plan is not None:  # the request is over: its checkpoint is not needed
-                engine.background(engine.checkpointer.finish(plan))
+                engine.background(engine.checkpointer.finish(plan, sim_request.id))
         text = decode(tokens)
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
                                    "finish_reason": "length"} if chat else

@@ -237,7 +237,8 @@ class LumenConnector(KVConnectorBase_V1):
         if not hashes:
             return 0
         streamer = self._streamer(tracked.plan.holder, self._scheduler_layout())
-        matched = streamer.lookup(tracked.plan.ckpt_id, hashes, timeout_s=LOOKUP_TIMEOUT_S)
+        matched = streamer.lookup(tracked.plan.ckpt_id, hashes, timeout_s=LOOKUP_TIMEOUT_S,
+                                  request_id=tracked.request.request_id)
         if matched is None:
             if tracked.plan.holder not in self._unreachable_logged:
                 self._unreachable_logged.add(tracked.plan.holder)
@@ -307,7 +308,7 @@ class LumenConnector(KVConnectorBase_V1):
             # The request ended here (done, or its client left): free its checkpoint. The
             # step's pages were queued before this runs; a late one is dropped by the holder.
             self._streamer(tracked.plan.holder, self._scheduler_layout()).finish(
-                tracked.plan.ckpt_id)
+                tracked.plan.ckpt_id, request.request_id)
         return False, None
 
     # -- worker side ---------------------------------------------------------------------
