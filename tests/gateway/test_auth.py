@@ -223,3 +223,43 @@ def test_without_a_key_file_the_gateway_is_open_and_says_so(cluster: Any) -> Non
     status, body = call(node.gateway + "/v1/models")
     assert (status, body["data"]) == (200, [])
     assert call(node.gateway + "/v1/models", KEY_C)[0] == 200  # a key is simply not needed
+
+
+# -- the Ansible role ---------------------------------------------------------------------
+
+
+def test_ansible_role_writes_a_key_file_lumend_accepts(tmp_path: Path) -> None:
+    """The role's templates, rendered as Ansible renders them (trim_blocks), give a key file
+    that lumend loads with the same names and a lumend.toml that names it only when there
+    are keys."""
+    import jinja2
+
+    role = Path(__file__).parents[2] / "ansible/roles/lumend/templates"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(role), trim_blocks=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters["to_json"] = json.dumps
+    keys = [{"name": "team-a", "key": KEY_A}, KEY_B]
+    path = key_file(tmp_path / "api-keys",
+                    env.get_template("api-keys.j2").render(lumend_api_keys=keys))
+    loaded = ApiKeys.load(path)
+    assert loaded.names == ["team-a", "line-4"]
+    assert loaded.check(f"Bearer {KEY_B}") == "line-4"
+
+    variables: dict[str, Any] = {
+        "lumend_state_dir": "/var/lib/lumen", "lumend_runtime_dir": "/run/lumen",
+        "lumend_node_name": "n1", "lumend_address": "127.0.0.1",
+        "lumend_etcd_endpoints": ["http://127.0.0.1:2379"], "lumend_cluster": "c",
+        "lumend_etcd_lease_ttl_s": 10, "lumend_etcd_request_timeout_s": 2.0,
+        "lumend_etcd_tls": False, "lumend_gateway_listen": "127.0.0.1:8000",
+        "lumend_rpc_listen": "127.0.0.1:7440", "lumend_checkpoint_listen": "127.0.0.1:7441",
+        "lumend_checkpoint_budget": "1GiB", "lumend_checkpoint_eviction": "lru",
+        "lumend_checkpoint_insecure": True, "lumend_metrics_listen": "127.0.0.1:9440",
+        "lumend_workers": [], "lumend_api_keys_file": str(path),
+    }
+    config = tmp_path / "lumend.toml"
+    for given, named in (([], False), (keys, True)):
+        config.write_text(env.get_template("lumend.toml.j2").render(
+            **variables, lumend_api_keys=given))
+        assert (f'api_keys = "{path}"' in config.read_text()) == named
+        result = check_config(config)
+        assert result.returncode == 0, result.stdout + result.stderr
