@@ -46,6 +46,9 @@ def _advance(state: int, token: int) -> int:
     return int.from_bytes(digest, "big")
 
 
+advance = _advance  # public: the draft function imitates the token function
+
+
 def next_token(state: int) -> int:
     return FIRST_TOKEN + state % VOCAB
 
