@@ -74,6 +74,15 @@ def engine_sim(ctx: typer.Context) -> None:
     sim_server.main()
 
 
+@app.command("draft-sim", context_settings=_PASSTHROUGH, add_help_option=False)
+def draft_sim(ctx: typer.Context) -> None:
+    """Run a sim draft server (a recovering sim worker's drafter; `lumend draft-sim --help`)."""
+    from lumend.assist import sim_drafter
+
+    sys.argv = ["lumend draft-sim", *ctx.args]
+    sim_drafter.main()
+
+
 @app.command("gms-server", context_settings=_PASSTHROUGH, add_help_option=False)
 def gms_server(ctx: typer.Context) -> None:
     """Run a GPU Memory Service server (one per worker; `lumend gms-server --help`)."""

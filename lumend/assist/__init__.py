@@ -1,1 +1,2 @@
-"""Draft-assist (LUMEN Algorithm 3): the wire protocol, the survivor's client, the drafter's server."""
+"""Draft-assist (LUMEN Algorithm 3): the wire protocol, the survivor's client and the
+drafter's server, the sim engine's draft function and drafter process."""

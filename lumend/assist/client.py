@@ -269,7 +269,12 @@ class AsyncDraftClient(_Base):
         return {}
 
     async def release(self, request_ids: Iterable[str]) -> None:
-        message = self.session.release(request_ids)
+        await self._send_release(self.session.release(request_ids))
+
+    async def release_absent(self, active: Iterable[str]) -> None:
+        await self._send_release(self.session.release_absent(active))
+
+    async def _send_release(self, message: wire.Release | None) -> None:
         if message is not None:
             with contextlib.suppress(zmq.Again):  # the drafter frees idle contexts (ttl)
                 await self._sock.send(wire.encode(message), zmq.NOBLOCK)

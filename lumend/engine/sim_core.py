@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 FIRST_TOKEN = 32  # " "
@@ -149,6 +149,8 @@ class Scheduler:
         self.steps = 0
         self.tokens_generated = 0
         self.prefill_tokens = 0  # prompt tokens computed (restored blocks are not)
+        self.drafted_tokens = 0  # draft-assist: drafted tokens verified
+        self.accepted_tokens = 0  # ... and accepted
 
     def add(self, request: SimRequest) -> None:
         request.state = context_state(self.seed, request.prompt)
@@ -193,17 +195,39 @@ class Scheduler:
         self.prefill_tokens += prefill_tokens
         return self.cost.seconds(prefill_tokens, len(decoding), context), decoding
 
-    def end_step(self, decoding: list[SimRequest]) -> None:
+    def verify_seconds(self, drafted_tokens: int) -> float:
+        """What verifying drafted tokens adds to a step: they are computed like prompt
+        tokens (speculative decoding's k extra tokens per request)."""
+        return self.cost.b * drafted_tokens
+
+    def end_step(self, decoding: list[SimRequest],
+                 drafts: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Commit each request's next token; with `drafts` (tokens proposed after a
+        request's context), also every drafted token that matches the target's, up to the
+        first that does not: the longest matching prefix plus one token of the target's
+        own, as speculative decoding verifies them. The output is the same either way."""
         for r in decoding:
             if r.cancelled:
                 continue
-            token = next_token(r.state)
-            r.state = _advance(r.state, token)
-            r.output.append(token)
-            self.tokens_generated += 1
-            r.emit(token)
-            if len(r.output) >= r.max_tokens:
-                r.emit(None)
+            proposal = drafts.get(r.id, ()) if drafts else ()
+            # Tokens past max_tokens are never verified (nor counted as drafted).
+            proposal = proposal[:max(0, r.max_tokens - len(r.output) - 1)]
+            self.drafted_tokens += len(proposal)
+            matched = 0
+            while True:
+                token = next_token(r.state)
+                r.state = _advance(r.state, token)
+                r.output.append(token)
+                self.tokens_generated += 1
+                r.emit(token)
+                if len(r.output) >= r.max_tokens:
+                    r.emit(None)
+                    break
+                if matched < len(proposal) and proposal[matched] == token:
+                    matched += 1
+                    continue
+                break
+            self.accepted_tokens += matched
         self.running = [r for r in self.running
                         if len(r.output) < r.max_tokens and not r.cancelled]
         self.steps += 1

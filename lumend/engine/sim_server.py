@@ -26,7 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
-from lumend.checkpoint.security import KeyFileError
+from lumend.assist.attach import AssistState, AttachError, AttachRequest
+from lumend.checkpoint.security import KeyFileError, client_keys_from_env
 from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer, parse_plan
 from lumend.engine.sim_core import Scheduler, SimRequest, SleepState, decode, encode
 from lumend.engine.sim_models import MiB, SimModel, sim_model
@@ -74,6 +75,8 @@ class SimEngine:
         self.memory = SleepState()  # vLLM-style sleep: what is freed, what wake restores
         self.weight_loads = {"disk": 0, "gms": 0}
         self._layout_hash: str | None = None
+        # Draft-assist (survivor side): drafter rounds reach it with the checkpoint keys.
+        self.assist = AssistState(opts.model.name, opts.engine_id, client_keys_from_env())
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -231,8 +234,20 @@ class SimEngine:
                 await self._work.wait()
                 continue
             duration, decoding = self.scheduler.begin_step()
+            attachment, counters = self.assist.attachment, self.assist.current
+            drafts = None
+            if attachment is not None and counters is not None:
+                drafts = await attachment.drafts(_contexts(decoding), counters)
+                duration += self.scheduler.verify_seconds(
+                    sum(len(d) for d in drafts.values()))
             await asyncio.sleep(duration * self.opts.time_scale)
-            self.scheduler.end_step(decoding)
+            s = self.scheduler
+            drafted, accepted = s.drafted_tokens, s.accepted_tokens
+            s.end_step(decoding, drafts)
+            if attachment is not None and counters is not None:
+                counters.drafted_tokens += s.drafted_tokens - drafted
+                counters.accepted_tokens += s.accepted_tokens - accepted
+                await attachment.finished(r.id for r in s.running)
             for request, plan in list(self.saving.values()):
                 if request.cancelled or len(request.output) >= request.max_tokens:
                     del self.saving[request.id]
@@ -257,6 +272,12 @@ class SimEngine:
         self.requests_total += 1
         self._work.set()
         return request, queue
+
+
+def _contexts(decoding: list[SimRequest]) -> dict[str, list[int]]:
+    """The committed context of each request that decodes this step (a request whose
+    prompt finishes this step has no token to draft after yet)."""
+    return {r.id: r.prompt + r.output for r in decoding if r.output and not r.cancelled}
 
 
 async def _connect_gms(path: str, timeout_s: float) -> GmsClient:
@@ -324,7 +345,28 @@ def build_app(engine: SimEngine) -> web.Application:
             "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
             "sleeping": engine.memory.sleeping, "sleep_level": engine.memory.level,
             "memory": sorted(engine.memory.held), "weight_loads": engine.weight_loads,
+            "assist": engine.assist.describe(),
         })
+
+    @routes.post("/lumen/assist")
+    async def attach(request: web.Request) -> web.Response:
+        # Well below a step (the drafts' wait adds to every step): half the fixed step cost.
+        default = max(0.001, 0.5 * opts.model.cost.a * opts.time_scale)
+        try:
+            body = await request.json()
+            engine.assist.attach(AttachRequest.parse(body, default))
+        except (AttachError, json.JSONDecodeError) as exc:
+            return _error(400, f"bad request: {exc}", "invalid_request_error")
+        return web.json_response(engine.assist.describe())
+
+    @routes.delete("/lumen/assist")
+    async def detach(_: web.Request) -> web.Response:
+        engine.assist.detach()
+        return web.json_response(engine.assist.describe())
+
+    @routes.get("/lumen/assist")
+    async def assist(_: web.Request) -> web.Response:
+        return web.json_response(engine.assist.describe())
 
     @routes.get("/lumen/weights_digest")
     async def digest(_: web.Request) -> web.Response:
@@ -372,6 +414,7 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_restore_misses_total {c.restore_misses}",
             f"lumen_sim_restore_mismatches_total {c.restore_mismatches}",
         ]
+        lines += engine.assist.metric_lines()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     @routes.get("/v1/models")
