@@ -5,7 +5,10 @@ systemd refuses to run a user manager unless /run/systemd/system exists ("the sy
 been booted with systemd"); creating it on the host would make every tool on the machine
 (Ansible's service-manager fact included) believe systemd is PID 1. So the manager runs
 under `unshare -m` with a tmpfs over /run/systemd, and systemctl joins that namespace with
-`nsenter`. This needs root (CAP_SYS_ADMIN for the mount); the test skips otherwise.
+`nsenter`. It also starts in cgroups of its own: a manager moves every process of the
+cgroup it starts in into its init.scope, which from the root cgroup would be the whole
+machine (the fixture checks that PID 1's cgroups did not change). This needs root
+(CAP_SYS_ADMIN for the mount, cgroup writes); the test skips otherwise.
 
 The unit is the shipped file; a drop-in changes only what a test host needs: the venv and
 config paths, no User= (a user manager runs services as its own user), /tmp visible (the
@@ -62,12 +65,20 @@ class UserManager:
         self.units.mkdir(parents=True)
         self.log = root / "systemd.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        name = f"lumen-test-{os.getpid()}-{time.monotonic_ns()}"
+        self.cgroups = [h / name for h in cgroup_hierarchies()]
 
     def start(self) -> UserManager:
-        # A manager running as root takes the nodes it mounts over hidden paths (ProtectHome=
-        # and the like) from /run/systemd/inaccessible, which PID 1 would have made; this one
+        # A manager takes the cgroup it starts in as its own and moves every process in it
+        # into init.scope: started in the root cgroup it would take in the whole machine, so
+        # it starts in a cgroup of its own in each hierarchy (as under user@.service).
+        # Running as root, it takes the nodes it mounts over hidden paths (ProtectHome= and
+        # the like) from /run/systemd/inaccessible, which PID 1 would have made; this one
         # makes them under $XDG_RUNTIME_DIR.
-        script = ("mount -t tmpfs tmpfs /run/systemd && mkdir /run/systemd/system && "
+        cgroups = " ".join(str(d) for d in self.cgroups)
+        script = (f'for d in {cgroups}; do mkdir "$d" && echo $$ > "$d/cgroup.procs" || '
+                  "exit 1; done && "
+                  "mount -t tmpfs tmpfs /run/systemd && mkdir /run/systemd/system && "
                   'ln -s "$XDG_RUNTIME_DIR/systemd/inaccessible" /run/systemd/inaccessible && '
                   f"exec {SYSTEMD} --user")
         with self.log.open("ab") as log:
@@ -92,22 +103,46 @@ class UserManager:
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)  # a user manager stops its units, then exits
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # a user manager stops its units, then exits
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for cgroup in self.cgroups:  # empty now; the deepest first
+            if cgroup.is_dir():
+                for d in sorted((p for p in cgroup.rglob("*") if p.is_dir()),
+                                key=lambda p: len(p.parts), reverse=True):
+                    d.rmdir()
+                cgroup.rmdir()
+
+
+def cgroup_hierarchies() -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.procs").exists():  # cgroup v2 only
+        return [root]
+    # v1 and a hybrid's unified one. A new cpuset cgroup takes no process before its CPUs
+    # and memory nodes are set, and systemd leaves cpuset alone.
+    return [d for d in sorted(root.iterdir()) if not d.is_symlink() and d.name != "cpuset"
+            and (d / "cgroup.procs").exists()]
+
+
+def own_cgroups(pid: int | str) -> str:
+    return Path(f"/proc/{pid}/cgroup").read_text()
 
 
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[UserManager]:
     user = UserManager(tmp_path / "user")
     started: list[int] = []
+    pid1, ours = own_cgroups(1), own_cgroups("self")
     try:
         yield user.start()
+        # The manager kept to its own cgroups: nothing else on the machine was moved.
+        assert (own_cgroups(1), own_cgroups("self")) == (pid1, ours)
+        assert user.proc is not None
+        assert f"{user.cgroups[0].name}/init.scope" in own_cgroups(user.proc.pid)
     finally:
         if user.proc is not None and user.proc.poll() is None:
             props = user.show("lumend.service")
