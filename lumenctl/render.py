@@ -52,6 +52,17 @@ def status_tables(doc: dict[str, Any]) -> RenderableType:
         )
 
     parts: list[RenderableType] = [head, nodes, workers]
+    if doc.get("assists"):
+        assists = Table(title="draft-assist (Algorithm 3)", title_justify="left", expand=False)
+        for column in ("RECOVERING", "DRAFTS FOR", "DRAFTER", "ACCEPTANCE", "SINCE"):
+            assists.add_column(column)
+        for a in doc["assists"]:
+            acceptance = ("-" if a["acceptance"] is None else
+                          f"{a['acceptance'] * 100:.0f}% ({a['accepted_tokens']}/"
+                          f"{a['drafted_tokens']})")
+            assists.add_row(a["recovering"], a["survivor"], a["endpoint"], acceptance,
+                            _age(a["assigned_at"]))
+        parts.append(assists)
     if doc["problems"]:
         problems = Text("skipped values under the prefix:\n", style="yellow")
         for p in doc["problems"]:

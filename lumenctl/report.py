@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from lumend.cluster.models import Event, Intent, WorkerRecord
+from lumend.cluster.models import AssistAssignment, Event, Intent, WorkerRecord
 from lumend.cluster.view import ClusterView
 
 
@@ -50,7 +50,18 @@ def status_document(view: ClusterView) -> dict[str, Any]:
         "nodes": nodes,
         "workers": workers,
         "intents": [_intent(i) for i in view.intents],
+        "assists": [_assist(a) for _, a in sorted(view.assists.items())],
         "problems": [{"key": p.key, "reason": p.reason} for p in view.problems],
+    }
+
+
+def _assist(a: AssistAssignment) -> dict[str, Any]:
+    """A draft-assist assignment; acceptance = accepted / drafted (null before any draft)."""
+    return {
+        "id": a.id, "recovering": a.recovering, "survivor": a.survivor, "endpoint": a.endpoint,
+        "epoch": a.epoch, "assigned_at": a.assigned_at, "drafted_tokens": a.drafted_tokens,
+        "accepted_tokens": a.accepted_tokens,
+        "acceptance": a.accepted_tokens / a.drafted_tokens if a.drafted_tokens else None,
     }
 
 
@@ -108,6 +119,8 @@ def _worker(worker: WorkerRecord, intents: list[Intent]) -> dict[str, Any]:
         "engines": [msgspec.to_builtins(e) for e in worker.engines],
         "load": msgspec.to_builtins(worker.load),
         "checkpoints": msgspec.to_builtins(worker.checkpoints),
+        "draft": worker.draft or None,
+        "assist": msgspec.to_builtins(worker.assist),
         "intents": [_intent(i) for i in intents],
         "updated_at": worker.updated_at,
     }

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from lumend.checkpoint.security import CurveKeys, KeyFileError
-from lumend.engine.sim_models import SIM_MODELS
+from lumend.engine.sim_models import SIM_DRAFTS, SIM_MODELS
 from lumend.gateway.auth import ApiKeyFileError, ApiKeys
 
 DEFAULT_CONFIG_PATH = "/etc/lumen/lumend.toml"
@@ -867,6 +867,11 @@ def _check_worker(table: _Table) -> _Worker:
         elif key == "model" and engine == "sim" and model is not None and model not in SIM_MODELS:
             presets = ", ".join(f'"{m}"' for m in SIM_MODELS)
             table.problem(key, model, f"a sim worker names a sim model preset: {presets}")
+        elif (key == "draft_model" and engine == "sim" and model is not None
+              and model not in SIM_DRAFTS):
+            drafts = ", ".join(f'"{d}"' for d in SIM_DRAFTS)
+            table.problem(key, model, f"a sim worker's draft_model names a sim drafter: "
+                          f"{drafts} (or leave it out: no draft-assist)")
     table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str)
     port = table.integer("port", "8100", 1, 65535, required=True)
     return _Worker(table, name, gpus, _engine_ports(table, port, shadows))

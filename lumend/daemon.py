@@ -11,12 +11,14 @@ from pathlib import Path
 
 import msgspec
 
+from lumend.assist.node import AssistCollector, AssistLinks
 from lumend.checkpoint.holder import HolderBindError, HolderConfig, HolderService
 from lumend.checkpoint.security import CurveKeys, KeyFileError
 from lumend.cluster.agent import AgentTiming, ClusterAgent, NodeIdentity
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import CheckpointUsage, WorkerRecord
-from lumend.cluster.store import EtcdStore, TlsFiles
+from lumend.cluster.store import EtcdStore, Op, TlsFiles
+from lumend.cluster.view import ClusterView
 from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
 from lumend.failover.intents import DrainStates, FailoverIntents
@@ -155,6 +157,12 @@ class Node:
         for collector in self.plane.collectors:
             self.metrics.registry.register(collector)
         self.agent.cycle_listeners += [self.metrics.observe_cycle, self.link.poke]
+        # Draft-assist: the coordinator assigns drafters (Algorithm 3), every node attaches
+        # its survivors' engines to theirs and publishes the acceptance.
+        self.assist = AssistLinks(lambda: self.agent.view,
+                                  lambda: [s.record() for s in self.supervisors.values()])
+        self.metrics.registry.register(AssistCollector(self.assist))
+        self.agent.lead_duties.append(self._assist_duty)
         self.server = MetricsServer(self.metrics)
 
     def workers(self) -> list[WorkerRecord]:
@@ -167,8 +175,15 @@ class Node:
                 record = msgspec.structs.replace(record, checkpoints=CheckpointUsage(
                     bytes_held=usage.bytes_held, budget_bytes=usage.budget_bytes,
                     requests=usage.requests))
-            records.append(self.drains.decorate(self.plane.decorate(record)))
+            record = self.drains.decorate(self.plane.decorate(record))
+            records.append(self.assist.decorate(record))
         return records
+
+    def _assist_duty(self, view: ClusterView, epoch: int) -> list[Op]:
+        coordinator = self.plane.coordinator
+        if coordinator is None or coordinator.epoch != epoch:
+            return []
+        return coordinator.assist_ops(view, Keys(self.config.etcd.cluster))
 
     def status_text(self) -> str:
         return f"{workers_summary(self.workers())}; {self.agent.status}"
@@ -222,6 +237,7 @@ class Node:
             asyncio.create_task(self.drains.run(stop), name="drain-states"),
             asyncio.create_task(self.plane.run(stop), name="checkpoint-progress"),
             asyncio.create_task(self.holder.run(stop), name="checkpoint-holder"),
+            asyncio.create_task(self.assist.run(stop), name="assist-links"),
             *(asyncio.create_task(s.run(stop), name=f"supervisor-{name}")
               for name, s in self.supervisors.items()),
         ]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+from pathlib import Path
 
 from lumend.assist.server import DraftBindError, DraftServer, DraftServerConfig
 from lumend.assist.sim_draft import SimDraftFunction
@@ -38,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
                    help="seed of the drafter's mistakes (same seed, same drafts)")
     p.add_argument("--seconds-per-token", type=float, default=0.0,
                    help="modelled draft cost per drafted token (before --time-scale)")
+    p.add_argument("--load-s", type=float, default=0.0,
+                   help="modelled draft-model load time before serving (before --time-scale)")
+    p.add_argument("--endpoint-file",
+                   help="write the bound endpoint (tcp://host:port) here once serving")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--log-level", default="INFO")
     return p
@@ -49,7 +55,10 @@ async def serve(args: argparse.Namespace) -> None:
                                 args.seconds_per_token * args.time_scale)
     server = DraftServer(DraftServerConfig(listen=args.listen, model=args.model, curve=keys),
                          function)
+    await asyncio.sleep(args.load_s * args.time_scale)
     server.bind()
+    if args.endpoint_file:
+        write_endpoint(Path(args.endpoint_file), server.endpoint)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -58,6 +67,13 @@ async def serve(args: argparse.Namespace) -> None:
     s = server.stats()
     log.info("draft server stopped: %d rounds, %d drafted tokens, %d resyncs, refused %s",
              s.rounds, s.drafted_tokens, s.resyncs, s.refused)
+
+
+def write_endpoint(path: Path, endpoint: str) -> None:
+    """Atomically: the supervisor never reads half an address."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(endpoint + "\n")
+    os.replace(partial, path)
 
 
 def main() -> None:

@@ -132,7 +132,11 @@ class ClusterAgent:
             keys.intents,
             keys.coordinator,  # also matches coordinator_status
             keys.config,
+            keys.assists,
         ]
+        # Extra coordinator duties: each gets the cycle's view and the epoch and returns the
+        # writes it wants; they go into the cycle's epoch-guarded transaction.
+        self.lead_duties: list[Callable[[ClusterView, int], Sequence[Op]]] = []
 
     @property
     def epoch(self) -> int | None:
@@ -292,6 +296,8 @@ class ClusterAgent:
         members = sorted(view.nodes)
         previous = view.coordinator_status
         ops: list[Op] = []
+        for duty in self.lead_duties:
+            ops += duty(view, epoch)
         if previous is not None:
             for node in sorted(set(members) - set(previous.members)):
                 ops.append(self._event("node_joined", f"node {node} joined", epoch))

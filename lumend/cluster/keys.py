@@ -32,6 +32,13 @@ class Keys:
         return self.root + "events/"
 
     @property
+    def assists(self) -> str:
+        return self.root + "assist/"
+
+    def assist(self, recovering_worker: str) -> str:
+        return self.assists + recovering_worker
+
+    @property
     def coordinator(self) -> str:
         return self.root + "coordinator"
 

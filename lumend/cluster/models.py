@@ -56,6 +56,15 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     status: str = ""
 
 
+class AssistUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """A survivor's draft-assist as its engine counts it (draft-assist, Algorithm 3)."""
+
+    assignment: str  # the assignment's id (the `assist/<worker>` key's `id`)
+    drafter: str  # the recovering worker whose drafts it verifies
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     node: str
@@ -67,6 +76,8 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     load: WorkerLoad = WorkerLoad()
     checkpoints: CheckpointUsage = CheckpointUsage()
     updated_at: float
+    draft: str = ""  # while assisting: its draft server (tcp://host:port)
+    assist: AssistUsage | None = None  # while a drafter assists this worker
 
 
 class CoordinatorRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,6 +123,21 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     theta: float = 48.0  # a holder above this L_hat is overloaded for resumption
     tau: int = 64  # a checkpointed prefix longer than this many blocks resumes regardless
     mode: PolicyMode = "lumen"
+
+
+class AssistAssignment(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of `assist/<recovering worker>`, written by the coordinator (epoch-guarded):
+    the recovering worker drafts for `survivor` through `endpoint`. The counters are the
+    survivor's, copied by the coordinator as they grow (acceptance = accepted / drafted)."""
+
+    id: str
+    recovering: str
+    survivor: str
+    endpoint: str
+    epoch: int
+    assigned_at: float
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True):

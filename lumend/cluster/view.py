@@ -14,6 +14,7 @@ import msgspec
 
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import (
+    AssistAssignment,
     ClusterSettings,
     CoordinatorRecord,
     CoordinatorStatus,
@@ -59,6 +60,8 @@ class ClusterView:
     problems: list[Problem] = field(default_factory=list)
     # The `config` key; None when absent or invalid (then the defaults apply).
     settings: ClusterSettings | None = None
+    # Draft-assist assignments by recovering worker (`assist/<worker>`).
+    assists: dict[str, AssistAssignment] = field(default_factory=dict)
 
     def intents_for(self, worker: WorkerRecord) -> list[Intent]:
         """Intents that name this worker or its node."""
@@ -77,6 +80,7 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
     coordinator: Coordinator | None = None
     status: CoordinatorStatus | None = None
     settings: ClusterSettings | None = None
+    assists: dict[str, AssistAssignment] = {}
 
     def decode(kv: KeyValue, kind: type[_T]) -> _T | None:
         try:
@@ -109,6 +113,14 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
             event = decode(kv, Event)
             if event is not None:
                 events.append(event)
+        elif key.startswith(keys.assists):
+            assignment = decode(kv, AssistAssignment)
+            if assignment is not None:
+                if assignment.recovering != key.removeprefix(keys.assists):
+                    problems.append(Problem(key, f"names worker {assignment.recovering!r}, "
+                                            "not its key"))
+                else:
+                    assists[assignment.recovering] = assignment
         elif key == keys.coordinator:
             record = decode(kv, CoordinatorRecord)
             if record is not None:
@@ -137,4 +149,5 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
         events=events,
         problems=problems,
         settings=settings,
+        assists=assists,
     )

@@ -20,17 +20,23 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lumend.cluster.models import WorkerRecord
+import msgspec
+
+from lumend.cluster.keys import Keys
+from lumend.cluster.models import AssistAssignment, Event, WorkerRecord, encode_value
+from lumend.cluster.store import Delete, Op, Put
 from lumend.cluster.view import ClusterView
 from lumend.coordinator.policy import (
     LoadSnapshot,
     PolicyConfig,
     WorkerLoad,
+    assist_target,
     least_loaded,
     load_hat,
     place_checkpoint,
@@ -109,6 +115,7 @@ class CoordinatorService:
         self.requests: dict[str, Admitted] = {}
         self.held: dict[str, Held] = {}  # ckpt id -> what its holder reported
         self.decisions: Counter[str] = Counter()  # admit, no_worker, resume, recompute, ...
+        self._event_seq = 0
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -241,3 +248,88 @@ class CoordinatorService:
         table = self._table(view, lambda w: eligible(view, w))
         return {w.name: table.load(i) if table.snapshot.alive[i] else math.inf
                 for i, w in enumerate(table.workers)}
+
+    # -- draft-assist (Algorithm 3) -------------------------------------------------------------
+
+    def assist_ops(self, view: ClusterView, keys: Keys, now: float | None = None) -> list[Op]:
+        """The writes that make `assist/` match the cluster: a worker that reports
+        `assisting` (its draft server up) drafts for the most loaded serving worker of its
+        model that no other drafter assists (argmax L_hat, Algorithm 3); an assignment ends
+        when its worker stops assisting (its engine serves again, or it left) or its
+        survivor stops serving; the survivor's accepted/drafted counters are copied into
+        the assignment as they grow. Decided from this view alone (the caller writes the
+        ops guarded by the epoch)."""
+        now = time.time() if now is None else now
+        ops: list[Op] = []
+        policy = policy_config(view.settings)
+        kept: dict[str, AssistAssignment] = {}
+        for name, a in sorted(view.assists.items()):
+            worker = view.workers.get(name)
+            survivor = view.workers.get(a.survivor)
+            if worker is None or worker.state != "assisting" or worker.draft != a.endpoint:
+                why = ("it left" if worker is None else
+                       f"it is {worker.state}" if worker.state != "assisting" else
+                       "its draft server moved")
+            elif survivor is None or not eligible(view, survivor):
+                why = f"survivor {a.survivor} is not serving"
+            elif not policy.uses_assist:
+                why = f"policy {policy.mode.value} has no draft-assist"
+            else:
+                why = ""
+            if why:
+                self.decisions["assist_end"] += 1
+                ops += [Delete(keys.assist(name)),
+                        self._event(keys, now, "assist_ended",
+                                    f"{name} stopped drafting for {a.survivor} ({why}): "
+                                    f"{_acceptance(a)}")]
+                continue
+            kept[name] = a
+            assert survivor is not None
+            usage = survivor.assist
+            if (usage is not None and usage.assignment == a.id
+                    and (usage.drafted_tokens, usage.accepted_tokens)
+                    != (a.drafted_tokens, a.accepted_tokens)):
+                ops.append(Put(keys.assist(name), encode_value(msgspec.structs.replace(
+                    a, drafted_tokens=usage.drafted_tokens,
+                    accepted_tokens=usage.accepted_tokens))))
+        if not policy.uses_assist:
+            return ops
+        assisted = {a.survivor for a in kept.values()}
+        for worker in sorted(view.workers.values(), key=lambda w: w.name):
+            if (worker.state != "assisting" or not worker.draft or worker.name in kept
+                    or worker.node not in view.nodes):
+                continue
+
+            def target(w: WorkerRecord, me: WorkerRecord = worker) -> bool:
+                return (eligible(view, w) and w.name != me.name and w.model == me.model
+                        and w.name not in assisted)
+
+            table = self._table(view, target)
+            index = assist_target(table.snapshot, table.cfg)
+            if index is None:
+                continue
+            survivor = table.workers[index]
+            a = AssistAssignment(id=f"{worker.name}:{uuid.uuid4().hex[:8]}",
+                                 recovering=worker.name, survivor=survivor.name,
+                                 endpoint=worker.draft, epoch=self.epoch, assigned_at=now)
+            assisted.add(survivor.name)
+            self.decisions["assist"] += 1
+            reason = (f"{worker.name} drafts for {survivor.name} (L_hat "
+                      f"{table.load(index):.3g}, the most loaded) through {worker.draft}")
+            log.info("assist: %s", reason)
+            ops += [Put(keys.assist(worker.name), encode_value(a)),
+                    self._event(keys, now, "assist_assigned", reason)]
+        return ops
+
+    def _event(self, keys: Keys, now: float, kind: str, message: str) -> Put:
+        self._event_seq = (self._event_seq + 1) % 10000
+        event = Event(at=now, kind=kind, source=self.node, message=message, epoch=self.epoch)
+        return Put(keys.event(int(now * 1000), self.node + "-assist", self._event_seq),
+                   encode_value(event))
+
+
+def _acceptance(a: AssistAssignment) -> str:
+    if not a.drafted_tokens:
+        return "no drafts verified"
+    return (f"acceptance {a.accepted_tokens / a.drafted_tokens:.2f} ({a.accepted_tokens} of "
+            f"{a.drafted_tokens} drafted tokens)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
+from lumend.assist.processes import draft_command
 from lumend.checkpoint.security import ENV_VAR as CKPT_KEYS_ENV
 from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord, WorkerState
 from lumend.config import WorkerConfig
@@ -120,6 +121,13 @@ class WorkerSupervisor:
         self.gms_proc: subprocess.Popen[bytes] | None = None
         self.pending_failover: FailoverRecord | None = None
         self.ever_active = False
+        self.time_scale = time_scale
+        self.host = host
+        # Draft-assist: the draft server runs while no engine serves or stands by.
+        self.draft_proc: subprocess.Popen[bytes] | None = None
+        self.draft_endpoint = ""
+        self.draft_starts = 0
+        self._draft_restart_at = 0.0
         self.slots = [
             EngineSlot(
                 spec=EngineSpec(
@@ -160,6 +168,7 @@ class WorkerSupervisor:
             if slot.proc is None and now >= slot.restart_at:
                 self._start_engine(slot, now)
         await asyncio.gather(*(self._probe(session, s, now) for s in self.slots if s.alive))
+        self._keep_draft(now)
         active = [s for s in self.slots if s.state == "active"]
         if active:
             self.ever_active = True
@@ -264,6 +273,68 @@ class WorkerSupervisor:
         if self.on_failover is not None:
             self.on_failover(record)
 
+    # -- draft-assist ---------------------------------------------------------------------
+
+    @property
+    def _draft_file(self) -> Path:
+        return self.dir / "draft.endpoint"
+
+    def _keep_draft(self, now: float) -> None:
+        """Run the draft server while the worker must reload (nothing serves or stands by),
+        stop it once an engine is ready; learn its endpoint from the file it writes."""
+        alive = self.draft_proc is not None and self.draft_proc.poll() is None
+        if self.ready():
+            if self.draft_proc is not None:
+                self._stop_draft("an engine is ready")
+            return
+        if self.draft_proc is not None and not alive:
+            log.warning("draft server of %s exited (%s); restarting it", self.worker.name,
+                        self.draft_proc.returncode)
+            kill_group(self.draft_proc.pid)
+            self.draft_proc = None
+            self.draft_endpoint = ""
+            self._draft_restart_at = now + min(30.0, 0.5 * 2 ** min(self.draft_starts, 6))
+        if self.draft_proc is None and now >= self._draft_restart_at:
+            self._start_draft()
+        if self.draft_proc is not None and not self.draft_endpoint:
+            with contextlib.suppress(OSError):
+                self.draft_endpoint = self._draft_file.read_text().strip()
+                if self.draft_endpoint:
+                    log.info("%s assisting: draft server at %s", self.worker.name,
+                             self.draft_endpoint)
+
+    def _start_draft(self) -> None:
+        cmd = draft_command(self.worker, self.host, self._draft_file,
+                            time_scale=self.time_scale)
+        if cmd is None:
+            return
+        self._draft_file.unlink(missing_ok=True)
+        env = {**os.environ, **self._child_env()}
+        env.pop(CKPT_KEYS_ENV, None)
+        if self.checkpoint_keys:
+            env[CKPT_KEYS_ENV] = self.checkpoint_keys  # the drafter's CURVE server keys
+        with (self.log_dir / f"{self.worker.name}.draft.log").open("ab") as out:
+            self.draft_proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True, env=env)
+        self.draft_starts += 1
+        log.info("%s must reload its engine: draft server (%s) started (pid %d)",
+                 self.worker.name, self.worker.draft_model, self.draft_proc.pid)
+
+    def _stop_draft(self, why: str) -> None:
+        proc, self.draft_proc = self.draft_proc, None
+        self.draft_endpoint = ""
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        kill_group(proc.pid)
+        log.info("%s stopped assisting (%s): draft server stopped", self.worker.name, why)
+
     # -- GMS ------------------------------------------------------------------------------
 
     def _keep_gms(self) -> None:
@@ -327,6 +398,7 @@ class WorkerSupervisor:
                             kv_usage=self.load.kv_usage, ckpt_running=self.load.ckpt_running,
                             ckpt_complete=self.load.ckpt_complete),
             updated_at=time.time(),
+            draft=self.draft_endpoint if self.draft_proc is not None else "",
         )
 
     def worker_state(self) -> WorkerState:
@@ -335,6 +407,8 @@ class WorkerSupervisor:
             return "serving"
         if all(s.failed_starts >= self.timing.failed_after_starts for s in self.slots):
             return "failed"  # every engine keeps dying before it is ready: needs an operator
+        if self.draft_proc is not None and self.draft_endpoint:
+            return "assisting"  # reloading, and drafting for a survivor meanwhile
         if self.ever_active:
             return "recovering"
         if time.monotonic() - self._started > self.timing.start_timeout_s:
@@ -346,6 +420,7 @@ class WorkerSupervisor:
         return bool({s.state for s in self.slots} & {"active", "standby"})
 
     def stop_all(self) -> None:
+        self._stop_draft("lumend stops")
         procs = [s.proc for s in self.slots if s.proc is not None] + (
             [self.gms_proc] if self.gms_proc is not None else [])
         for p in procs:

@@ -568,7 +568,13 @@ def test_sim_workers_name_a_sim_preset(example: Path) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(text)
     assert any(p.key == "workers[0].model" and "sim-small" in p.fix for p in info.value.problems)
+    # A sim worker's draft_model names a sim drafter (draft-assist), not a model path.
     ok = text.replace('model = "/models/Qwen3-32B"', 'model = "sim-small"')
+    with pytest.raises(ConfigError) as info:
+        parse_config(ok)
+    assert any(p.key == "workers[0].draft_model" and "sim-draft" in p.fix
+               for p in info.value.problems)
+    ok = ok.replace('draft_model = "/models/Qwen3-1.7B"', 'draft_model = "sim-draft"')
     assert parse_config(ok).workers[0].model == "sim-small"
 
 

@@ -1,0 +1,196 @@
+"""Progressive recovery (LUMEN's Algorithm 3) on a real local cluster: real etcd, two lumend
+nodes, sim engines without shadows. A worker whose engine is SIGKILLed must reload it; it
+starts its draft server first, reports `assisting`, the coordinator assigns it to the
+survivor, whose engine verifies its drafts; when the reload is done it serves again and the
+assignment ends. Every client stream completes token for token as without the failure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from lumenctl.localcluster import EtcdCluster, LumendNode, free_ports, node_config_toml
+from lumend.cluster.keys import Keys
+from lumend.cluster.store import EtcdStore
+from lumend.cluster.view import ClusterView, build_view
+from lumend.engine.sim_core import decode, encode, reference_completion
+
+from .conftest import wait_until
+
+CLUSTER = "assist"
+MAX_TOKENS = 3000
+STREAMS = 8
+
+
+def read_view(etcd: EtcdCluster) -> ClusterView:
+    async def go() -> ClusterView:
+        store = EtcdStore(etcd.endpoints, request_timeout_s=2.0)
+        try:
+            keys = Keys(CLUSTER)
+            return build_view(keys, await store.get_prefix(keys.root))
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def nodes(etcd: EtcdCluster, tmp_path: Path) -> Iterator[list[LumendNode]]:
+    started: list[LumendNode] = []
+    try:
+        for name in ("node-1", "node-2"):
+            ports = free_ports(5)
+            text = node_config_toml(name, etcd.endpoints, CLUSTER, ports, lease_ttl_s=3,
+                                    shadows=0, workdir=tmp_path)
+            # A model whose reload takes a while, and a drafter for it.
+            text = text.replace('model = "sim-small"',
+                                'model = "sim-medium"\ndraft_model = "sim-draft"')
+            config = tmp_path / f"{name}.toml"
+            config.write_text(text)
+            started.append(LumendNode(name, config, tmp_path / f"{name}.log",
+                                      gateway=f"http://127.0.0.1:{ports[0]}").start())
+        yield started
+    finally:
+        for n in started:
+            n.stop()
+
+
+async def stream(session: aiohttp.ClientSession, base: str, prompt: str,
+                 received: list[int]) -> tuple[set[str], str, list[str]]:
+    ids, pieces, errors = set(), [], []
+    async with session.post(base + "/v1/completions", json={
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}) as r:
+        assert r.status == 200
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                errors.append(chunk["error"]["message"])
+                continue
+            ids.add(chunk["id"])
+            pieces.append(chunk["choices"][0]["text"])
+            received[0] += 1
+    return ids, "".join(pieces), errors
+
+
+def engine_assist(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/lumen/assist", timeout=5) as r:
+        return dict(json.load(r))
+
+
+def lumenctl_status(etcd: EtcdCluster) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "lumenctl", "--endpoints",
+                          ",".join(etcd.endpoints), "--cluster", CLUSTER, "-o", "json",
+                          "status"], capture_output=True, text=True, timeout=30,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def test_a_reloading_worker_assists_the_survivor_then_serves(
+        etcd: EtcdCluster, nodes: list[LumendNode]) -> None:
+    def settled() -> bool:
+        view = read_view(etcd)
+        return (len(view.workers) == 2 and not view.assists
+                and all(w.state == "serving" for w in view.workers.values()))
+
+    wait_until(settled, 120, "both workers serving, no assist")
+    base = nodes[0].gateway
+    prompts = [f"assisted stream {i}" for i in range(STREAMS)]
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> list[tuple[set[str], str, list[str]]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            deadline = time.monotonic() + 30
+            while True:
+                async with session.get(base + "/health") as r:
+                    if r.status == 200 and (await r.json())["serving_workers"] == 2:
+                        break
+                assert time.monotonic() < deadline, "the gateway never saw both workers"
+                await asyncio.sleep(0.1)
+            received = [[0] for _ in prompts]
+            tasks = [asyncio.create_task(stream(session, base, p, received[i]))
+                     for i, p in enumerate(prompts)]
+            while min(r[0] for r in received) < 10:
+                await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 15
+            while True:  # a heartbeat that shows where the streams run
+                view = await asyncio.to_thread(read_view, etcd)
+                victim = max(view.workers.values(), key=lambda w: w.load.running)
+                if victim.load.running > 0 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            survivor = next(w for w in view.workers.values() if w.name != victim.name)
+            pid = next(e.pid for e in victim.engines if e.role == "active")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            seen["victim"], seen["survivor"] = victim.name, survivor.name
+            seen["survivor_url"] = survivor.engines[0].url
+
+            def assisted() -> dict[str, Any] | None:
+                # The acceptance reached etcd: the survivor verified drafts of the victim's.
+                doc = lumenctl_status(etcd)
+                for a in doc["assists"]:
+                    if a["recovering"] == victim.name and a["drafted_tokens"] > 0:
+                        return doc
+                return None
+
+            doc = await asyncio.to_thread(wait_until, assisted, 60,
+                                          "the victim's drafts verified by the survivor")
+            seen["status"] = doc
+            seen["engine_assist"] = await asyncio.to_thread(engine_assist,
+                                                            seen["survivor_url"])
+            return list(await asyncio.gather(*tasks))
+
+    results = asyncio.run(scenario())
+    for prompt, (ids, text, errors) in zip(prompts, results, strict=True):
+        assert errors == []
+        assert len(ids) == 1, "one id for the whole stream"
+        reference = decode(reference_completion(0, encode(prompt), MAX_TOKENS))
+        assert text == reference, f"{prompt!r} differs from the failure-free stream"
+
+    victim, survivor = seen["victim"], seen["survivor"]
+    # While it reloaded: the victim was assisting, drafting for the survivor (the one the
+    # coordinator could pick), and the survivor's engine was attached to it.
+    doc = seen["status"]
+    (assignment,) = [a for a in doc["assists"] if a["recovering"] == victim]
+    assert assignment["survivor"] == survivor
+    assert 0 < assignment["accepted_tokens"] <= assignment["drafted_tokens"]
+    workers = {w["name"]: w for w in doc["workers"]}
+    assert workers[victim]["state"] == "assisting"
+    assert workers[victim]["draft"] == assignment["endpoint"]
+    assert workers[survivor]["assist"]["assignment"] == assignment["id"]
+    assert seen["engine_assist"]["assignment"] == assignment["id"]
+    # Then it serves again, the assignment is gone and the survivor's engine detached.
+    wait_until(lambda: (lambda v: v.workers[victim].state == "serving" and not v.assists)(
+        read_view(etcd)), 60, "the victim serving again, the assignment ended")
+    wait_until(lambda: not engine_assist(seen["survivor_url"])["attached"], 30,
+               "the survivor's engine detached")
+    kinds = [e.kind for e in read_view(etcd).events]
+    assert "assist_assigned" in kinds and "assist_ended" in kinds
+    # Prometheus on the survivor's node exports the assignment's counters.
+    survivor_node = next(n for n in nodes if survivor.startswith(n.name))
+    metrics = survivor_node_metrics(survivor_node)
+    assert f'assignment="{assignment["id"]}"' in metrics
+    assert "lumen_assist_accepted_tokens_total" in metrics
+
+
+def survivor_node_metrics(node: LumendNode) -> str:
+    text = node.config_path.read_text()
+    listen = text.split("[metrics]")[1].split('"')[1]
+    with urllib.request.urlopen(f"http://{listen}/metrics", timeout=5) as r:
+        return str(r.read().decode())
