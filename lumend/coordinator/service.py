@@ -317,6 +317,9 @@ class CoordinatorService:
             reason = (f"{worker.name} drafts for {survivor.name} (L_hat "
                       f"{table.load(index):.3g}, the most loaded) through {worker.draft}")
             log.info("assist: %s", reason)
+            # etcd refuses a transaction naming a key twice: the put replaces the delete.
+            ops = [op for op in ops
+                   if not (isinstance(op, Delete) and op.key == keys.assist(worker.name))]
             ops += [Put(keys.assist(worker.name), encode_value(a)),
                     self._event(keys, now, "assist_assigned", reason)]
         return ops
