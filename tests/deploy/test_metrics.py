@@ -141,7 +141,8 @@ def test_dashboard_queries_name_only_exported_metrics(
     queried = {name for _, expr in queries for name in METRIC_NAME.findall(expr)}
     assert {"lumen_ckpt_bytes_held", "lumen_ckpt_refusals_total", "lumen_gateway_degraded_total",
             "lumen_agent_stale_epoch_refused_total", "lumen_coordinator_decisions_total",
-            "lumen:ckpt_requests_complete"} <= queried
+            "lumen:ckpt_requests_complete", "lumen_gateway_ttft_seconds_bucket",
+            "lumen_gateway_recovery_seconds_bucket"} <= queried
 
     # Negative controls: a misspelt metric and a query without any metric are reported.
     broken = json.loads(DASHBOARD.read_text())
