@@ -30,226 +30,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import json
-import os
-import random
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-
-from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster
-from lumend.cluster.view import ClusterView
-from lumend.engine.sim_core import decode, encode, reference_completion
+from lumenctl.recovery import (
+    PAPER,
+    Request,
+    Result,
+    lumenctl,
+    ratio,
+    replay,
+    restored_by_engine,
+    restored_since,
+    summarise,
+    trace,
+    wait_whole,
+)
 
-PAPER = {"ttft": -0.44, "tpot": -0.16, "recovery": -0.50}
 VICTIM = "node-2-w0"
 CONFIGS = ("stop_and_restart", "fixed_checkpoint", "lumen", "lumen+shadows")
-WINDOW_S = 3.0  # the sliding window of the recovery time
-STEP_S = 0.25
-
-
-@dataclass(frozen=True)
-class Request:
-    at: float  # seconds after the trace starts
-    prompt: str
-    max_tokens: int
-
-
-@dataclass
-class Outcome:
-    request: Request
-    sent_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    text: str = ""
-    error: str = ""
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.sent_at
-
-    @property
-    def tpot(self) -> float | None:
-        times = self.token_times
-        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-
-    @property
-    def stall(self) -> float:
-        times = self.token_times
-        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
-
-
-def trace(seed: int, duration_s: float, rate: float, prompt: tuple[int, int],
-          output: tuple[int, int]) -> list[Request]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "kv", "page", "holder", "node", "token"]
-    requests: list[Request] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            return requests
-        length = rng.randint(*prompt)
-        text = f"request {len(requests)}:"
-        while len(text) < length:
-            text += " " + rng.choice(words)
-        requests.append(Request(t, text[:length], rng.randint(*output)))
-
-
-async def run_one(session: aiohttp.ClientSession, gateway: str, request: Request,
-                  outcome: Outcome) -> None:
-    outcome.sent_at = time.monotonic()
-    body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "stream": True}
-    try:
-        async with session.post(gateway + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                outcome.error = f"HTTP {r.status}: {await r.text()}"
-                return
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    outcome.error = chunk["error"]["message"]
-                    continue
-                outcome.token_times.append(time.monotonic())
-                outcome.text += chunk["choices"][0]["text"]
-    except aiohttp.ClientError as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
-
-
-async def replay(cluster: LocalCluster, requests: list[Request], fault_at: float
-                 ) -> tuple[list[Outcome], float]:
-    """Every request of the trace, with the fault at `fault_at`; (outcomes, fault time)."""
-    gateways = [n.gateway for n in cluster.nodes]
-    outcomes = [Outcome(r) for r in requests]
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        start = time.monotonic()
-
-        async def later(i: int, request: Request) -> None:
-            await asyncio.sleep(max(0.0, start + request.at - time.monotonic()))
-            await run_one(session, gateways[i % len(gateways)], request, outcomes[i])
-
-        async def fault() -> float:
-            await asyncio.sleep(max(0.0, start + fault_at - time.monotonic()))
-            view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
-            pid = next(e.pid for e in view.workers[VICTIM].engines if e.role == "active")
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
-            return time.monotonic()
-
-        fault_task = asyncio.create_task(fault())
-        await asyncio.gather(*(later(i, r) for i, r in enumerate(requests)))
-        fault_time = await fault_task
-    for o in outcomes:  # times relative to the trace start
-        o.sent_at -= start
-        o.token_times = [t - start for t in o.token_times]
-    return outcomes, fault_time - start
-
-
-def recovery_time(outcomes: list[Outcome], fault: float, warmup: float) -> float | None:
-    """Seconds from the fault until the mean TTFT of the requests sent in a window starting
-    then is within 10% of the level before the fault; None: never within the trace."""
-    ok = [o for o in outcomes if o.token_times]
-    before = [o.ttft for o in ok if warmup <= o.sent_at < fault]
-    level = statistics.fmean(before)
-    end = max(o.sent_at for o in ok)
-    t = fault
-    while t + WINDOW_S <= end:
-        window = [o.ttft for o in ok if t <= o.sent_at < t + WINDOW_S]
-        if window and statistics.fmean(window) <= 1.1 * level:
-            return t - fault
-        t += STEP_S
-    return None
-
-
-@dataclass
-class Result:
-    config: str
-    ttft_ms: float
-    tpot_ms: float
-    recovery_s: float | None
-    stall_s: float
-    interrupted: int
-    requests: int
-    errors: int
-    mismatches: int
-    restored_tokens: float
-    migrations: str = ""
-
-
-def summarise(config: str, outcomes: list[Outcome], fault: float, warmup: float,
-              restored: float) -> Result:
-    ok = [o for o in outcomes if o.token_times and not o.error]
-    mismatches = sum(
-        o.text != decode(reference_completion(0, encode(o.request.prompt),
-                                              o.request.max_tokens)) for o in ok)
-    # Interrupted: in flight at the fault, with a gap far beyond the stream's usual one.
-    in_flight = [o for o in ok if o.token_times[0] < fault < o.token_times[-1]]
-    interrupted = [o for o in in_flight
-                   if o.stall > 5 * statistics.median(
-                       b - a for a, b in itertools.pairwise(o.token_times))]
-    tpots = [t for o in ok if (t := o.tpot) is not None]
-    return Result(
-        config=config, ttft_ms=1000 * statistics.fmean(o.ttft for o in ok),
-        tpot_ms=1000 * statistics.fmean(tpots),
-        recovery_s=recovery_time(ok, fault, warmup),
-        stall_s=statistics.fmean(o.stall for o in interrupted) if interrupted else 0.0,
-        interrupted=len(interrupted), requests=len(outcomes),
-        errors=len(outcomes) - len(ok), mismatches=mismatches, restored_tokens=restored)
-
-
-# -- the cluster ------------------------------------------------------------------------
-
-
-def lumenctl(cluster: LocalCluster, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", "lumenctl", "--config", "/nonexistent.toml",
-                    "--endpoints", ",".join(cluster.endpoints), "--cluster", cluster.cluster,
-                    *args], check=True, capture_output=True, text=True)
-
-
-def whole_and_idle(view: ClusterView, workers: int, shadows: int) -> bool:
-    return (len(view.workers) == workers and view.coordinator is not None
-            and all(w.state == "serving" and w.load.running + w.load.waiting == 0
-                    and sorted(e.state for e in w.engines) == ["active", *["standby"] * shadows]
-                    for w in view.workers.values()))
-
-
-def wait_whole(cluster: LocalCluster, shadows: int, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not whole_and_idle(read_view(cluster.endpoints, cluster.cluster), cluster.size,
-                             shadows):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the cluster was not whole and idle within {timeout_s} s; "
-                               f"see the logs in {cluster.workdir}")
-        time.sleep(0.2)
-    time.sleep(2.0)  # every node's view (one HA cycle) and the coordinator's
-
-
-def restored_tokens(cluster: LocalCluster) -> float:
-    total = 0.0
-    for worker in read_view(cluster.endpoints, cluster.cluster).workers.values():
-        for engine in worker.engines:
-            try:
-                with urllib.request.urlopen(engine.url + "/metrics", timeout=5) as r:
-                    for line in r.read().decode().splitlines():
-                        if line.startswith("lumen_sim_restored_tokens_total "):
-                            total += float(line.split()[1])
-            except OSError:
-                pass  # a standby or restarting engine
-    return total
 
 
 def run_config(cluster: LocalCluster, config: str, requests: list[Request],
@@ -259,21 +61,15 @@ def run_config(cluster: LocalCluster, config: str, requests: list[Request],
     wait_whole(cluster, shadows)
     lumenctl(cluster, "config", "set", "mode", mode)
     time.sleep(1.0)
-    restored_before = restored_tokens(cluster)
+    restored_before = restored_by_engine(cluster)
     print(f"  {config}: {len(requests)} requests over {args.duration:g} s, fault on "
           f"{VICTIM} at {args.fault_at:g} s ...", file=sys.stderr, flush=True)
-    outcomes, fault = asyncio.run(replay(cluster, requests, args.fault_at))
-    restored = restored_tokens(cluster) - restored_before
+    outcomes, fault = asyncio.run(replay(cluster, requests, args.fault_at, VICTIM))
+    restored = restored_since(cluster, restored_before)
     return summarise(config, outcomes, fault, args.warmup, restored)
 
 
 # -- output -----------------------------------------------------------------------------
-
-
-def ratio(value: float | None, base: float | None) -> str:
-    if value is None or base is None or base == 0:
-        return "n/a"
-    return f"{value / base - 1:+.0%}"
 
 
 def table(results: list[Result]) -> str:
