@@ -75,11 +75,18 @@ class Drafter:
     def __init__(self, tmp: Path, name: str, *args: str) -> None:
         self.port = free_ports(1)[0]
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        ready = tmp / f"{name}.endpoint"
         cmd = [sys.executable, "-m", "lumend.assist.sim_drafter", "--listen",
-               f"127.0.0.1:{self.port}", *args]
+               f"127.0.0.1:{self.port}", "--endpoint-file", str(ready), *args]
         self.log = tmp / f"{name}.log"
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # serving once it wrote its endpoint
+            assert self.proc.poll() is None, f"drafter {name} exited"
+            assert time.monotonic() < deadline, f"drafter {name} never served"
+            time.sleep(0.05)
+        assert ready.read_text().strip() == self.endpoint
 
 
 @pytest.fixture
