@@ -143,6 +143,12 @@ class VllmAdapter(HttpEngineAdapter):
         # connector of their own in the worker's args (theirs wins, and says so in the log).
         if not any(a.startswith("--kv-transfer-config") for a in spec.args):
             cmd += ["--kv-transfer-config", LUMEN_KV_TRANSFER_CONFIG]
+        # Draft-assist: a survivor verifies drafts from a recovering worker's draft server
+        # (lumend.engine.vllm_assist); detached, the proposer proposes nothing.
+        if not _has_option(spec.args, "--speculative-config", "-sc"):
+            cmd += ["--speculative-config", LUMEN_SPECULATIVE_CONFIG]
+        if not _has_option(spec.args, "--worker-extension-cls"):
+            cmd += ["--worker-extension-cls", "lumend.engine.vllm_assist.LumenAssistExtension"]
         if len(spec.gpus) > 1 and not _has_option(spec.args, "--tensor-parallel-size", "-tp"):
             cmd += ["--tensor-parallel-size", str(len(spec.gpus))]
         if self.cuda:
@@ -192,6 +198,13 @@ LUMEN_KV_TRANSFER_CONFIG = json.dumps({
 _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "lumen:ckpt_requests_running",
                  "lumen:ckpt_requests_complete")
+
+
+LUMEN_SPECULATIVE_CONFIG = json.dumps({
+    "method": "custom_class",
+    "model": "lumend.engine.vllm_assist.LumenRemoteProposer",
+    "num_speculative_tokens": 3,
+}, separators=(",", ":"))
 
 
 def parse_load(metrics_text: str) -> EngineLoad:

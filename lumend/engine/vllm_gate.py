@@ -119,6 +119,8 @@ async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         except RuntimeError as exc:
             return JSONResponse({"error": str(exc)}, status_code=409)
         return JSONResponse({"released": True})
+    if path == "/lumen/assist":
+        return await _assist(request)
     if path in GATED_PATHS:
         if _gate.state != "active":
             return JSONResponse(
@@ -144,3 +146,32 @@ async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         response.body_iterator = counted()
         return response
     return await call_next(request)
+
+
+async def _assist(request: Any) -> Any:
+    """Draft-assist for this engine (lumend.engine.vllm_assist): POST {"endpoint": ...,
+    "k": 3, "deadline_ms": 20, "max_batch": 8} attaches a draft server, DELETE detaches,
+    GET reports. Needs the engine started with LUMEN's proposer and worker extension."""
+    from starlette.responses import JSONResponse
+
+    engine = request.app.state.engine_client
+    try:
+        if request.method == "POST":
+            body = await request.json()
+            endpoint = body.get("endpoint") if isinstance(body, dict) else None
+            if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+                return JSONResponse({"error": "endpoint must be tcp://host:port"}, 400)
+            args = (endpoint, int(body.get("k", 3)), float(body.get("deadline_ms", 20)) / 1000,
+                    int(body.get("max_batch", 8)), str(body.get("model", "")))
+            results = await engine.collective_rpc("lumen_assist_attach", args=args)
+            return JSONResponse({"attached": any(results)})
+        if request.method == "DELETE":
+            await engine.collective_rpc("lumen_assist_detach")
+            return JSONResponse({"attached": False})
+        results = await engine.collective_rpc("lumen_assist_stats")
+        return JSONResponse(results[0] if results else {})
+    except (ValueError, TypeError) as exc:
+        return JSONResponse({"error": f"bad request: {exc}"}, 400)
+    except Exception as exc:  # an engine without the extension
+        return JSONResponse({"error": f"draft-assist is not available on this engine: {exc}; "
+                             "start it with LUMEN's proposer and worker extension"}, 409)
