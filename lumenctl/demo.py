@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -363,12 +364,12 @@ def comparison_table(results: list[Result], options: DemoOptions) -> Table:
             return shown
         return f"{shown} ({ratio(value, base_value)})"
 
-    table = Table(title=f"the same trace and fault (SIGKILL of {options.victim}'s engine, no "
-                  "shadow) under each policy; in brackets: vs stop_and_restart")
+    table = Table(title=f"one trace, one fault (SIGKILL of {options.victim}'s engine); in "
+                  "brackets: vs stop_and_restart", box=box.SIMPLE_HEAD)
     for column in ("policy", "TTFT ms", "TPOT ms", "recovery s", "stall s", "interrupted",
                    "resumed / recomputed", "restored tokens", "failed / differ"):
         table.add_column(column, justify="left" if column == "policy" else "right",
-                         min_width=16 if column == "policy" else None)
+                         no_wrap=column == "policy")
     for r in results:
         kinds = Counter(what.split(" ")[0] for what in r.decisions.elements())
         table.add_row(
@@ -394,7 +395,7 @@ def _compare(console: Console, cluster: LocalCluster, options: DemoOptions,
              shadows: dict[str, int]) -> list[Result]:
     results = [_policy_run(console, cluster, mode, options, shadows)
                for mode in options.policies]
-    console.rule("the three policies side by side")
+    console.rule("the policies side by side")
     _wide(console).print(comparison_table(results, options))
     console.print(
         "recovery: from the fault until the mean TTFT of new requests is back within 10% of "

@@ -15,7 +15,7 @@ def sections(output: str) -> dict[str, str]:
     found: dict[str, str] = {}
     parts = re.split(r"─+ policy (\S+): the same trace, the same fault ─+\n", output)
     for mode, text in zip(parts[1::2], parts[2::2], strict=True):
-        found[mode] = text.split("the three policies side by side")[0]
+        found[mode] = text.split("the policies side by side")[0]
     return found
 
 
@@ -45,10 +45,11 @@ def test_demo_compares_the_policies_on_the_same_fault() -> None:
     assert len({worker for _, worker in decisions["fixed_checkpoint"]}) == 1
     assert "resume" in {kind for kind, _ in decisions["lumen"]}
 
-    table = output.split("the three policies side by side")[1]
+    table = output.split("the policies side by side")[1]
     for mode in ("stop_and_restart", "fixed_checkpoint", "lumen"):
-        row = next((line for line in table.splitlines() if line.startswith(f"│ {mode} ")), None)
+        row = next((line for line in table.splitlines()
+                    if re.match(rf"\W*{mode} ", line)), None)
         assert row is not None, f"no row for {mode} in the table:\n{table}"
         # failed / differ: every stream completed, token for token the failure-free one.
-        assert row.rstrip().endswith("0 / 0 │"), row
+        assert re.search(r"\b0 / 0\W*$", row), row
     assert "paper: LUMEN" in table and "(-44%)" in table
