@@ -4,8 +4,8 @@ and without a remote drafter, and what a late drafter costs per step.
     .venv/bin/python bench/assist.py [--tokens 128] [--batch 1,4] [--deadline-ms 20]
 
 One survivor engine started with lumend's command line (LUMEN's proposer and worker
-extension), three draft servers (transformers): the target's own weights (perfect), other
-random weights (noisy), and the target's weights behind a delay longer than the deadline
+extension), three draft servers (transformers): the target's own weights (perfect), the target's
+weights with noise (noisy: about half its tokens agree), and the target's weights behind a delay longer than the deadline
 (late). For each drafter and batch size, greedy completions of --tokens tokens; tokens/s
 is the batch's tokens over its wall time. CPU timings do not predict GPU speedups: on a GPU
 a decode step is memory-bound and verifying k extra tokens is nearly free, here it is not.
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.vllm import test_vllm_assist as harness
-from tests.vllm.tiny_model import build_tiny_llama
+from tests.vllm.tiny_model import build_tiny_llama, perturbed_copy
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         target = build_tiny_llama(tmp / "target", seed=0)
-        other = build_tiny_llama(tmp / "other", seed=1)
+        other = perturbed_copy(target, tmp / "other", sigma=0.2)
         survivor = harness.Survivor(target, tmp)
         drafters = {}
         try:

@@ -9,7 +9,10 @@ longest common prefix keeps valid; a vLLM engine would add its own scheduler and
 for no gain at draft-model sizes.
 
     python -m lumend.assist.hf_draft --model DIR --listen HOST:PORT [--keys FILE]
-        [--delay-ms N] [--ready-file PATH]
+        [--delay-ms N] [--endpoint-file PATH]
+
+Without --keys it takes the cluster's CURVE keys from LUMEN_CKPT_KEYS (as lumend starts
+it), else it runs insecure.
 """
 
 from __future__ import annotations
@@ -103,15 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keys", help="the cluster's CURVE key file (none: insecure)")
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="sleep this long per round (a slow drafter, for tests)")
-    parser.add_argument("--ready-file", help="write the bound endpoint here once serving")
+    parser.add_argument("--endpoint-file", "--ready-file", dest="endpoint_file",
+                        help="write the bound endpoint (tcp://host:port) here once serving")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    curve = None
-    if args.keys:
-        from lumend.checkpoint.security import CurveKeys
+    from lumend.checkpoint.security import CurveKeys, client_keys_from_env
+    from lumend.failover.lifeline import die_with_supervisor
 
-        curve = CurveKeys.load(Path(args.keys))
+    die_with_supervisor()
+    curve = CurveKeys.load(Path(args.keys)) if args.keys else client_keys_from_env()
     function = HfDraftFunction(args.model, delay_s=args.delay_ms / 1000)
     server = DraftServer(DraftServerConfig(listen=args.listen, curve=curve), function)
 
@@ -121,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         server.bind()
-        if args.ready_file:
-            await asyncio.to_thread(Path(args.ready_file).write_text, server.endpoint)
+        if args.endpoint_file:
+            from lumend.assist.sim_drafter import write_endpoint
+
+            await asyncio.to_thread(write_endpoint, Path(args.endpoint_file), server.endpoint)
         await server.run(stop)
 
     asyncio.run(serve())

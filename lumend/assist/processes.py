@@ -26,4 +26,6 @@ def draft_command(worker: WorkerConfig, host: str, endpoint_file: Path, *,
                 "--seed", str(seed), "--agreement", str(draft.agreement),
                 "--seconds-per-token", str(draft.seconds_per_token),
                 "--load-s", str(draft.load_s), "--time-scale", str(time_scale)]
-    return None  # vLLM workers: the remote drafter of issue 8 plugs in here
+    # vLLM workers: the draft model through transformers (lumend.assist.hf_draft).
+    return [sys.executable, "-m", "lumend.assist.hf_draft", "--model", worker.draft_model,
+            "--listen", f"{host}:0", "--endpoint-file", str(endpoint_file)]

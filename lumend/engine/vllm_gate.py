@@ -148,10 +148,57 @@ async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     return await call_next(request)
 
 
+class _AssistLedger:
+    """Which draft-assist assignment this engine serves, and the drafted and accepted
+    tokens of each (from vLLM's own spec-decode counters, taken at attach and detach)."""
+
+    def __init__(self) -> None:
+        self.assignment: str | None = None
+        self.base = (0.0, 0.0)
+        self.done: dict[str, dict[str, int]] = {}
+
+    @staticmethod
+    def totals() -> tuple[float, float]:
+        from prometheus_client import REGISTRY
+
+        drafted = accepted = 0.0
+        for family in REGISTRY.collect():
+            for sample in family.samples:
+                if sample.name == "vllm:spec_decode_num_draft_tokens_total":
+                    drafted += sample.value
+                elif sample.name == "vllm:spec_decode_num_accepted_tokens_total":
+                    accepted += sample.value
+        return drafted, accepted
+
+    def current(self) -> dict[str, int]:
+        drafted, accepted = self.totals()
+        return {"drafted_tokens": int(drafted - self.base[0]),
+                "accepted_tokens": int(accepted - self.base[1])}
+
+    def attach(self, assignment: str) -> None:
+        self.detach()
+        self.assignment, self.base = assignment, self.totals()
+
+    def detach(self) -> None:
+        if self.assignment is not None:
+            self.done[self.assignment] = self.current()
+            self.assignment = None
+
+    def report(self) -> dict[str, Any]:
+        assignments = dict(self.done)
+        if self.assignment is not None:
+            assignments[self.assignment] = self.current()
+        return {"assignment": self.assignment, "assignments": assignments}
+
+
+_ledger = _AssistLedger()
+
+
 async def _assist(request: Any) -> Any:
     """Draft-assist for this engine (lumend.engine.vllm_assist): POST {"endpoint": ...,
-    "k": 3, "deadline_ms": 20, "max_batch": 8} attaches a draft server, DELETE detaches,
-    GET reports. Needs the engine started with LUMEN's proposer and worker extension."""
+    "assignment": id, "k": 3, "deadline_ms": 20, "max_batch": 8} attaches a draft server,
+    DELETE detaches, GET reports (the same surface as the sim engine's, so lumend's node
+    link drives both). Needs the engine started with LUMEN's proposer and extension."""
     from starlette.responses import JSONResponse
 
     engine = request.app.state.engine_client
@@ -164,12 +211,14 @@ async def _assist(request: Any) -> Any:
             args = (endpoint, int(body.get("k", 3)), float(body.get("deadline_ms", 20)) / 1000,
                     int(body.get("max_batch", 8)), str(body.get("model", "")))
             results = await engine.collective_rpc("lumen_assist_attach", args=args)
-            return JSONResponse({"attached": any(results)})
+            _ledger.attach(str(body.get("assignment", endpoint)))
+            return JSONResponse({"attached": any(results), **_ledger.report()})
         if request.method == "DELETE":
             await engine.collective_rpc("lumen_assist_detach")
-            return JSONResponse({"attached": False})
+            _ledger.detach()
+            return JSONResponse({"attached": False, **_ledger.report()})
         results = await engine.collective_rpc("lumen_assist_stats")
-        return JSONResponse(results[0] if results else {})
+        return JSONResponse({**(results[0] if results else {}), **_ledger.report()})
     except (ValueError, TypeError) as exc:
         return JSONResponse({"error": f"bad request: {exc}"}, 400)
     except Exception as exc:  # an engine without the extension

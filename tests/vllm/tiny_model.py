@@ -34,3 +34,21 @@ def build_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 512) -
     )
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def perturbed_copy(source: Path, directory: Path, sigma: float, seed: int = 3) -> Path:
+    """`source`'s model with Gaussian noise (sigma x each tensor's std) on every weight: a
+    drafter that agrees with the original on some tokens (sigma 0.2: about half)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(source, directory)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * sigma * param.std())
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
