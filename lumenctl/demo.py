@@ -42,7 +42,7 @@ from lumenctl.recovery import (
 )
 from lumenctl.render import events_table, status_tables
 from lumenctl.report import events_document, status_document
-from lumend.cluster.models import WorkerRecord
+from lumend.cluster.models import AssistAssignment, WorkerRecord
 from lumend.cluster.view import ClusterView
 
 __all__ = ["DemoOptions", "read_view", "run_demo", "wait_for"]
@@ -231,6 +231,8 @@ class LiveView:
         self.decisions = decisions
         self.every_s = every_s
         self.seen: list[Decision] = []
+        self.assists: dict[str, AssistAssignment] = {}  # by id, with their last counters
+        self.ended: set[str] = set()
         self.live: Live | None = None
 
     async def watch(self, run: Replay) -> None:
@@ -242,6 +244,12 @@ class LiveView:
             new = self.decisions.new()
             self.seen += new
             now = run.now()
+            started = [a for a in view.assists.values() if a.id not in self.assists]
+            current = {a.id for a in view.assists.values()}
+            ended = [a for i, a in self.assists.items() if i not in current
+                     and i not in self.ended]
+            self.ended |= {a.id for a in ended}
+            self.assists.update({a.id: a for a in view.assists.values()})
             if self.live is not None:
                 self.live.update(self.render(run, view, now), refresh=True)
             else:
@@ -253,6 +261,13 @@ class LiveView:
                 for d in new:
                     self.console.print(f"  t={now:5.1f}s  decision ({d.node}'s gateway): "
                                        f"{d.reason}")
+                for a in started:
+                    self.console.print(f"  t={now:5.1f}s  assist: {a.recovering} loads its "
+                                       f"model and drafts for {a.survivor}, the most loaded "
+                                       "survivor, meanwhile")
+                for a in ended:
+                    self.console.print(f"  t={now:5.1f}s  assist ended: {a.recovering} "
+                                       f"serves again; {assist_text(a)}")
                 if now - last_line >= self.every_s:
                     last_line = now
                     self.console.print(f"  t={now:5.1f}s  {self.traffic_line(run, now)}")
@@ -293,6 +308,9 @@ class LiveView:
         head = (f"[bold]mode {self.mode}[/]  t={now:5.1f} s  {fault}\n"
                 f"sent {t['sent']:.0f}  done {t['done']:.0f}  streaming {t['streaming']:.0f}  "
                 f"errors {t['errors']:.0f}   last 3 s: {_latency(t)}")
+        for a in view.assists.values():
+            head += (f"\nassist: {a.recovering} reloads and drafts for {a.survivor}; "
+                     f"{assist_text(a)}")
         workers = Table(title="workers and the checkpoints they hold", title_justify="left")
         for column in ("worker", "state", "running", "held MiB", "requests", "budget MiB"):
             workers.add_column(column, justify="left" if column in ("worker", "state")
@@ -308,6 +326,13 @@ class LiveView:
         for d in self.seen[-8:]:
             decisions.add_row(f"{d.node}: {d.reason}")
         return Group(head, workers, decisions)
+
+
+def assist_text(a: AssistAssignment) -> str:
+    if not a.drafted_tokens:
+        return "no drafts verified yet"
+    return (f"acceptance {a.accepted_tokens / a.drafted_tokens:.0%} ({a.accepted_tokens} of "
+            f"{a.drafted_tokens} drafted tokens)")
 
 
 def _latency(t: dict[str, float]) -> str:
@@ -345,11 +370,13 @@ def _policy_run(console: Console, cluster: LocalCluster, mode: str, options: Dem
                        restored_since(cluster, restored_before))
     result.decisions = Counter(f"{d.kind} on {d.worker}" for d in live.seen)
     where = ", ".join(f"{what} x{n}" for what, n in sorted(result.decisions.items()))
+    assists = "; ".join(f"{a.recovering} drafted for {a.survivor} while it reloaded, "
+                        f"{assist_text(a)}" for a in live.assists.values())
     console.print(
         f"[green]{mode}:[/] {result.interrupted} streams interrupted by the fault; recovery "
         f"decisions: {where or 'none'}; {result.restored_tokens:.0f} tokens restored from "
-        f"checkpoints; {result.errors} requests failed, {result.mismatches} differ from the "
-        "failure-free stream")
+        f"checkpoints; {assists or 'no draft-assist'}; {result.errors} requests failed, "
+        f"{result.mismatches} differ from the failure-free stream")
     return result
 
 
@@ -412,8 +439,11 @@ def run_demo(console: Console, options: DemoOptions) -> list[Result]:
     shadowed = "node-1"  # the engine-kill and planned-failover steps use its shadow
     shadows = {f"{shadowed}-w0": 1}
     with tempfile.TemporaryDirectory(prefix="lumen-demo-") as tmp:
+        # The comparison's victim has no shadow: it reloads, and drafts for the most loaded
+        # survivor meanwhile (draft-assist, Algorithm 3, under mode lumen).
         cluster = LocalCluster(Path(tmp), size=nodes, lease_ttl_s=options.lease_ttl_s,
                                shadows=0, node_shadows={shadowed: 1},
+                               node_draft_models={f"node-{nodes}": "sim-draft"},
                                engine_args=("--time-scale", f"{options.time_scale:g}"))
         console.rule("LUMEN demo")
         console.print(f"starting etcd and {nodes} lumend nodes on loopback, one sim worker "

@@ -1,5 +1,6 @@
 """`lumenctl demo --short`: the policy comparison of the demo on a real 4-node local cluster,
-with a short trace. Its output names each recovery decision and closes with the table."""
+with a short trace. Its output names each recovery decision and the draft-assist, and
+closes with the table."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def test_demo_compares_the_policies_on_the_same_fault() -> None:
     assert {kind for kind, _ in decisions["fixed_checkpoint"]} == {"resume"}
     assert len({worker for _, worker in decisions["fixed_checkpoint"]}) == 1
     assert "resume" in {kind for kind, _ in decisions["lumen"]}
+    # The victim has no shadow and a drafter: while it reloads it drafts for the most loaded
+    # survivor, under lumen only (Algorithm 3).
+    assert "assist: node-4-w0 loads its model and drafts for node-" in runs["lumen"]
+    assert "assist:" not in runs["stop_and_restart"]
 
     table = output.split("the policies side by side")[1]
     for mode in ("stop_and_restart", "fixed_checkpoint", "lumen"):
