@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml scripts/system-deps.sh
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-## demo: a local cluster (embedded etcd, three lumend nodes), a fault, the recovery shown
+## demo: a local cluster (embedded etcd, four lumend nodes): engine, failover and coordinator
+## faults, then one fault under each recovery policy, shown live, and a table comparing them
 demo: $(STAMP)
 	$(BIN)/lumenctl demo
 
