@@ -373,8 +373,8 @@ def _policy_run(console: Console, cluster: LocalCluster, mode: str, options: Dem
     assists = "; ".join(f"{a.recovering} drafted for {a.survivor} while it reloaded, "
                         f"{assist_text(a)}" for a in live.assists.values())
     console.print(
-        f"[green]{mode}:[/] {result.interrupted} streams interrupted by the fault; recovery "
-        f"decisions: {where or 'none'}; {result.restored_tokens:.0f} tokens restored from "
+        f"[green]{mode}:[/] {len(live.seen)} streams broke with the engine and were routed: "
+        f"{where or 'none'}; {result.restored_tokens:.0f} tokens restored from "
         f"checkpoints; {assists or 'no draft-assist'}; {result.errors} requests failed, "
         f"{result.mismatches} differ from the failure-free stream")
     return result
@@ -393,7 +393,7 @@ def comparison_table(results: list[Result], options: DemoOptions) -> Table:
 
     table = Table(title=f"one trace, one fault (SIGKILL of {options.victim}'s engine); in "
                   "brackets: vs stop_and_restart", box=box.SIMPLE_HEAD)
-    for column in ("policy", "TTFT ms", "TPOT ms", "recovery s", "stall s", "interrupted",
+    for column in ("policy", "TTFT ms", "TPOT ms", "recovery s", "stall s", "stalled",
                    "resumed / recomputed", "restored tokens", "failed / differ"):
         table.add_column(column, justify="left" if column == "policy" else "right",
                          no_wrap=column == "policy")
@@ -426,7 +426,8 @@ def _compare(console: Console, cluster: LocalCluster, options: DemoOptions,
     _wide(console).print(comparison_table(results, options))
     console.print(
         "recovery: from the fault until the mean TTFT of new requests is back within 10% of "
-        "its level before; stall: the longest gap of the interrupted streams (mean); "
+        "its level before; stalled: streams in flight at the fault with a gap over 5x their "
+        "usual one; stall s: their longest gap (mean); "
         "resumed/recomputed: the coordinator's recovery routing (Algorithm 2); restored: "
         "tokens loaded from checkpoints instead of recomputed; differ: streams that are not "
         "token for token the failure-free stream. One run per policy on this machine: "
