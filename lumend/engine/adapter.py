@@ -147,8 +147,6 @@ class VllmAdapter(HttpEngineAdapter):
         # (lumend.engine.vllm_assist); detached, the proposer proposes nothing.
         if not _has_option(spec.args, "--speculative-config", "-sc"):
             cmd += ["--speculative-config", LUMEN_SPECULATIVE_CONFIG]
-        if not _has_option(spec.args, "--worker-extension-cls"):
-            cmd += ["--worker-extension-cls", "lumend.engine.vllm_assist.LumenAssistExtension"]
         if len(spec.gpus) > 1 and not _has_option(spec.args, "--tensor-parallel-size", "-tp"):
             cmd += ["--tensor-parallel-size", str(len(spec.gpus))]
         if self.cuda:
@@ -156,7 +154,10 @@ class VllmAdapter(HttpEngineAdapter):
         return cmd + list(spec.args)
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
-        env = {"LUMEN_ENGINE_ID": spec.engine_id, "LUMEN_FAILOVER_LOCK": spec.failover_lock}
+        env = {"LUMEN_ENGINE_ID": spec.engine_id, "LUMEN_FAILOVER_LOCK": spec.failover_lock,
+               # where the gate tells the proposer which drafter to use (vllm_assist)
+               "LUMEN_ASSIST_FILE": str(Path(spec.failover_lock).with_name(
+                   spec.engine_id.replace("/", "-") + ".assist.json"))}
         if self.cuda:
             env.update(self._gpu(spec)[1])
             env[SLEEP_MODE_ENV] = "1"

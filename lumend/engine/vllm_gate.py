@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from lumend.failover.lifeline import die_with_supervisor
@@ -198,29 +199,42 @@ async def _assist(request: Any) -> Any:
     """Draft-assist for this engine (lumend.engine.vllm_assist): POST {"endpoint": ...,
     "assignment": id, "k": 3, "deadline_ms": 20, "max_batch": 8} attaches a draft server,
     DELETE detaches, GET reports (the same surface as the sim engine's, so lumend's node
-    link drives both). Needs the engine started with LUMEN's proposer and extension."""
+    link drives both). The proposer follows the file LUMEN_ASSIST_FILE."""
     from starlette.responses import JSONResponse
 
-    engine = request.app.state.engine_client
+    from lumend.engine.vllm_assist import Attachment, read_stats, write_assist_file
+
+    if _ASSIST_FILE is None:
+        return JSONResponse({"error": "draft-assist is not available on this engine: it was "
+                             "not started by lumend (LUMEN_ASSIST_FILE is unset)"}, 409)
     try:
         if request.method == "POST":
-            body = await request.json()
-            endpoint = body.get("endpoint") if isinstance(body, dict) else None
-            if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
-                return JSONResponse({"error": "endpoint must be tcp://host:port"}, 400)
-            args = (endpoint, int(body.get("k", 3)), float(body.get("deadline_ms", 20)) / 1000,
-                    int(body.get("max_batch", 8)), str(body.get("model", "")))
-            results = await engine.collective_rpc("lumen_assist_attach", args=args)
-            _ledger.attach(str(body.get("assignment", endpoint)))
-            return JSONResponse({"attached": any(results), **_ledger.report()})
+            attachment = Attachment.parse(await request.json())
+            if attachment is None:
+                raise ValueError("endpoint must be tcp://host:port")
+            await asyncio.to_thread(write_assist_file, _ASSIST_FILE, attachment)
+            _ledger.attach(attachment.assignment)
+            return JSONResponse({"attached": True, **_ledger.report()})
         if request.method == "DELETE":
-            await engine.collective_rpc("lumen_assist_detach")
+            await asyncio.to_thread(write_assist_file, _ASSIST_FILE, None)
             _ledger.detach()
             return JSONResponse({"attached": False, **_ledger.report()})
-        results = await engine.collective_rpc("lumen_assist_stats")
-        return JSONResponse({**(results[0] if results else {}), **_ledger.report()})
+        stats = await asyncio.to_thread(read_stats, _ASSIST_FILE)
+        return JSONResponse({**stats, "attached": _ledger.assignment is not None,
+                             **_ledger.report()})
     except (ValueError, TypeError) as exc:
         return JSONResponse({"error": f"bad request: {exc}"}, 400)
-    except Exception as exc:  # an engine without the extension
-        return JSONResponse({"error": f"draft-assist is not available on this engine: {exc}; "
-                             "start it with LUMEN's proposer and worker extension"}, 409)
+
+
+def _reset_assist_file() -> Path | None:
+    """An engine starts detached, whatever a previous engine of this slot left."""
+    path = os.environ.get("LUMEN_ASSIST_FILE")
+    if not path:
+        return None
+    from lumend.engine.vllm_assist import write_assist_file
+
+    write_assist_file(Path(path), None)
+    return Path(path)
+
+
+_ASSIST_FILE = _reset_assist_file()
