@@ -3,10 +3,16 @@ and without a remote drafter, and what a late drafter costs per step.
 
     .venv/bin/python bench/assist.py [--tokens 128] [--batch 1,4] [--deadline-ms 20]
 
-One survivor engine started with lumend's command line (LUMEN's proposer and worker
-extension), three draft servers (transformers): the target's own weights (perfect), the target's
-weights with noise (noisy: about half its tokens agree), and the target's weights behind a delay longer than the deadline
-(late). For each drafter and batch size, greedy completions of --tokens tokens; tokens/s
+On a GPU machine, with real models (the draft model shares the target's tokenizer):
+
+    python bench/assist.py --target /models/Qwen3-8B --draft /models/Qwen3-0.6B \
+        --noisy /models/Qwen3-0.6B --vllm-args "--dtype bfloat16 --max-model-len 4096"
+
+One survivor engine started with lumend's command line (LUMEN's proposer), three draft
+servers (transformers): the target's own weights (perfect), the target's weights with noise
+(noisy: about half its tokens agree), and the target's weights behind a delay longer than
+the deadline (late). For each drafter and batch size, greedy completions of --tokens
+tokens; tokens/s
 is the batch's tokens over its wall time. CPU timings do not predict GPU speedups: on a GPU
 a decode step is memory-bound and verifying k extra tokens is nearly free, here it is not.
 Prints a table; asserts nothing.
@@ -33,20 +39,28 @@ def main() -> None:
     parser.add_argument("--batch", default="1,4")
     parser.add_argument("--deadline-ms", type=float, default=20.0)
     parser.add_argument("--late-ms", type=float, default=200.0)
+    parser.add_argument("--target", help="the survivor's model (default: a tiny random Llama)")
+    parser.add_argument("--draft", help="the perfect drafter's model (default: the target)")
+    parser.add_argument("--noisy", help="the noisy drafter's model (default: perturbed target)")
+    parser.add_argument("--vllm-args", help="the survivor's vLLM arguments (default: the CPU "
+                        "tests' float32, max-model-len 256, eager)")
     args = parser.parse_args()
     harness.TOKENS = args.tokens
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        target = build_tiny_llama(tmp / "target", seed=0)
-        other = perturbed_copy(target, tmp / "other", sigma=0.2)
-        survivor = harness.Survivor(target, tmp)
+        target = Path(args.target) if args.target else build_tiny_llama(tmp / "target")
+        draft = Path(args.draft) if args.draft else target
+        other = (Path(args.noisy) if args.noisy
+                 else perturbed_copy(target, tmp / "other", sigma=0.2))
+        vllm_args = tuple(args.vllm_args.split()) if args.vllm_args else harness.VLLM_ARGS
+        survivor = harness.Survivor(target, tmp, vllm_args)
         drafters = {}
         try:
-            drafters = {"perfect": harness.Drafter(target, tmp, "perfect"),
+            drafters = {"perfect": harness.Drafter(draft, tmp, "perfect"),
                         "noisy": harness.Drafter(other, tmp, "noisy"),
-                        "late": harness.Drafter(target, tmp, "late", delay_ms=args.late_ms)}
+                        "late": harness.Drafter(draft, tmp, "late", delay_ms=args.late_ms)}
             survivor.wait_active(time.monotonic() + 600)
             survivor.complete()  # warm up
             for batch in batches:

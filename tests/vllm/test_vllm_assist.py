@@ -46,11 +46,11 @@ def http(method: str, url: str, body: Any = None, timeout: float = 120) -> Any:
 class Survivor:
     """A vLLM engine as lumend starts it (VllmAdapter's command line and environment)."""
 
-    def __init__(self, model: Path, tmp: Path) -> None:
+    def __init__(self, model: Path, tmp: Path, args: tuple[str, ...] = VLLM_ARGS) -> None:
         self.port = free_ports(1)[0]
         self.model = str(model)
         spec = EngineSpec(engine_id="w0/0", host="127.0.0.1", port=self.port, model=str(model),
-                          args=VLLM_ARGS, gms_socket=None,
+                          args=args, gms_socket=None,
                           failover_lock=str(tmp / "failover.lock"))
         adapter = VllmAdapter(cuda=False)
         self.url = spec.url
