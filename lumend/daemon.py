@@ -183,7 +183,7 @@ class Node:
         coordinator = self.plane.coordinator
         if coordinator is None or coordinator.epoch != epoch:
             return []
-        return coordinator.assist_ops(view, Keys(self.config.etcd.cluster))
+        return coordinator.lead_ops(view, Keys(self.config.etcd.cluster))
 
     def status_text(self) -> str:
         return f"{workers_summary(self.workers())}; {self.agent.status}"

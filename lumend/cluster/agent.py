@@ -133,6 +133,7 @@ class ClusterAgent:
             keys.coordinator,  # also matches coordinator_status
             keys.config,
             keys.assists,
+            keys.recoveries,
         ]
         # Extra coordinator duties: each gets the cycle's view and the epoch and returns the
         # writes it wants; they go into the cycle's epoch-guarded transaction.

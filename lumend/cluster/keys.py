@@ -39,6 +39,13 @@ class Keys:
         return self.assists + recovering_worker
 
     @property
+    def recoveries(self) -> str:
+        return self.root + "recovery/"
+
+    def recovery(self, failed_worker: str) -> str:
+        return self.recoveries + failed_worker
+
+    @property
     def coordinator(self) -> str:
         return self.root + "coordinator"
 

@@ -140,6 +140,40 @@ class AssistAssignment(msgspec.Struct, frozen=True, kw_only=True):
     accepted_tokens: int = 0
 
 
+class RecoveryDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """One interrupted request's route (Algorithm 2's answer)."""
+
+    request: str
+    target: str  # the worker it continues on
+    action: Literal["resume", "recompute"]
+    reason: str
+    at: float
+    epoch: int
+    holder: str = ""  # its checkpoint's holder ("" without a checkpoint)
+
+
+class RecoveryPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of `recovery/<worker>`, written by the coordinator (epoch-guarded): where the
+    requests interrupted on `worker` went. `decisions` keeps the newest ones only; the
+    counters cover all of them. `engines` and `down_seen` tell when the worker serves again
+    (a new active engine, or serving after it was seen down); the plan is deleted a while
+    after that, or when no decision came for a long time."""
+
+    worker: str
+    cause: Literal["failed", "drained"]
+    failed_at: float  # the first decision
+    updated_at: float  # the latest decision
+    epoch: int  # the coordinator that wrote it
+    engines: list[str] = []  # the worker's active engines (id:pid) at the first decision
+    down_seen: bool = False
+    served_again_at: float | None = None
+    total: int = 0
+    resumed: int = 0
+    recomputed: int = 0
+    targets: dict[str, int] = {}  # decisions per target worker, all of them
+    decisions: list[RecoveryDecision] = []  # the newest, oldest first
+
+
 class Event(msgspec.Struct, frozen=True, kw_only=True):
     at: float
     kind: str

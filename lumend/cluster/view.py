@@ -21,6 +21,7 @@ from lumend.cluster.models import (
     Event,
     Intent,
     NodeRecord,
+    RecoveryPlan,
     WorkerRecord,
     decode_value,
 )
@@ -62,6 +63,8 @@ class ClusterView:
     settings: ClusterSettings | None = None
     # Draft-assist assignments by recovering worker (`assist/<worker>`).
     assists: dict[str, AssistAssignment] = field(default_factory=dict)
+    # Recovery plans by the worker whose requests they routed (`recovery/<worker>`).
+    recoveries: dict[str, RecoveryPlan] = field(default_factory=dict)
 
     def intents_for(self, worker: WorkerRecord) -> list[Intent]:
         """Intents that name this worker or its node."""
@@ -81,6 +84,7 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
     status: CoordinatorStatus | None = None
     settings: ClusterSettings | None = None
     assists: dict[str, AssistAssignment] = {}
+    recoveries: dict[str, RecoveryPlan] = {}
 
     def decode(kv: KeyValue, kind: type[_T]) -> _T | None:
         try:
@@ -121,6 +125,13 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
                                             "not its key"))
                 else:
                     assists[assignment.recovering] = assignment
+        elif key.startswith(keys.recoveries):
+            plan = decode(kv, RecoveryPlan)
+            if plan is not None:
+                if plan.worker != key.removeprefix(keys.recoveries):
+                    problems.append(Problem(key, f"names worker {plan.worker!r}, not its key"))
+                else:
+                    recoveries[plan.worker] = plan
         elif key == keys.coordinator:
             record = decode(kv, CoordinatorRecord)
             if record is not None:
@@ -150,4 +161,5 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
         problems=problems,
         settings=settings,
         assists=assists,
+        recoveries=recoveries,
     )

@@ -14,6 +14,10 @@ request's placement along in `Recover`.
 
 Policy settings come from the view (etcd `config`), so a `lumenctl config set` applies from
 the next cycle. Decisions are the pure functions of lumend.coordinator.policy.
+
+Every recovery decision also goes into the failed worker's recovery plan
+(`recovery/<worker>`, lumend.coordinator.plans), written by the next HA cycle with the
+coordinator's other epoch-guarded writes (`lead_ops`).
 """
 
 from __future__ import annotations
@@ -25,13 +29,22 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
 from lumend.cluster.keys import Keys
-from lumend.cluster.models import AssistAssignment, Event, WorkerRecord, encode_value
+from lumend.cluster.models import (
+    AssistAssignment,
+    Event,
+    RecoveryDecision,
+    RecoveryPlan,
+    WorkerRecord,
+    encode_value,
+)
 from lumend.cluster.store import Delete, Op, Put
 from lumend.cluster.view import ClusterView
+from lumend.coordinator.plans import RETAIN_S, STALE_S, advance, new_plan, with_decision
 from lumend.coordinator.policy import (
     LoadSnapshot,
     PolicyConfig,
@@ -108,7 +121,8 @@ def target_of(worker: WorkerRecord) -> Target:
 
 
 class CoordinatorService:
-    def __init__(self, node: str, epoch: int, view: Callable[[], ClusterView | None]) -> None:
+    def __init__(self, node: str, epoch: int, view: Callable[[], ClusterView | None], *,
+                 plan_retain_s: float = RETAIN_S, plan_stale_s: float = STALE_S) -> None:
         self.node = node
         self.epoch = epoch
         self._view = view
@@ -116,6 +130,10 @@ class CoordinatorService:
         self.held: dict[str, Held] = {}  # ckpt id -> what its holder reported
         self.decisions: Counter[str] = Counter()  # admit, no_worker, resume, recompute, ...
         self._event_seq = 0
+        # Recovery plans changed here and not yet read back from etcd, by failed worker.
+        self._plans: dict[str, RecoveryPlan] = {}
+        self._plan_retain_s = plan_retain_s
+        self._plan_stale_s = plan_stale_s
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -206,7 +224,7 @@ class CoordinatorService:
             return Recovery(self.epoch, None, False,
                             f"no survivor serves model {model!r}", mode)
         worker = table.workers[route.worker]
-        kind = "resume" if route.resume else "recompute"
+        kind: Literal["resume", "recompute"] = "resume" if route.resume else "recompute"
         self.decisions[kind] += 1
         self.requests[ask.request_id] = Admitted(worker.name, checkpoint, ask.gateway)
         if checkpoint is None:
@@ -223,7 +241,21 @@ class CoordinatorService:
             self.decisions["migrate"] += 1
         reason = f"{kind} on {worker.name} after {ask.failed_worker} {left}: {why}"
         log.info("recovery of %s: %s", ask.request_id, reason)
+        self._plan(view, ask.failed_worker, "drained" if left == "is drained" else "failed",
+                   RecoveryDecision(request=ask.request_id, target=worker.name, action=kind,
+                                    reason=reason, at=time.time(), epoch=self.epoch,
+                                    holder=checkpoint.holder if checkpoint else ""))
         return Recovery(self.epoch, target_of(worker), route.resume, reason, mode)
+
+    def _plan(self, view: ClusterView, failed: str, cause: Literal["failed", "drained"],
+              decision: RecoveryDecision) -> None:
+        plan = self._plans.get(failed) or view.recoveries.get(failed)
+        if plan is None or plan.served_again_at is not None:  # a new failure
+            record = view.workers.get(failed)
+            plan = new_plan(failed, cause, record,
+                            record is not None and eligible(view, record), decision.at,
+                            self.epoch)
+        self._plans[failed] = with_decision(plan, decision)
 
     def _checkpointed_blocks(self, checkpoint: CheckpointRef | None, prefix_tokens: int) -> int:
         """|C_r| in blocks: what the holder reported holding, else the gateway's prefix."""
@@ -248,6 +280,40 @@ class CoordinatorService:
         table = self._table(view, lambda w: eligible(view, w))
         return {w.name: table.load(i) if table.snapshot.alive[i] else math.inf
                 for i, w in enumerate(table.workers)}
+
+    # -- the coordinator's writes, every HA cycle ----------------------------------------------
+
+    def lead_ops(self, view: ClusterView, keys: Keys, now: float | None = None) -> list[Op]:
+        """Everything this coordinator writes this cycle (guarded by its epoch)."""
+        now = time.time() if now is None else now
+        return self.assist_ops(view, keys, now) + self.recovery_ops(view, keys, now)
+
+    def recovery_ops(self, view: ClusterView, keys: Keys, now: float | None = None) -> list[Op]:
+        """The writes that make `recovery/` hold every plan as this cycle leaves it: new
+        decisions in, a worker that serves again marked (an event sums its plan up), plans
+        past their retention deleted."""
+        now = time.time() if now is None else now
+        ops: list[Op] = []
+        for name in sorted(set(view.recoveries) | set(self._plans)):
+            stored = view.recoveries.get(name)
+            plan = self._plans.get(name, stored)
+            assert plan is not None
+            record = view.workers.get(name)
+            step = advance(plan, record, record is not None and eligible(view, record), now,
+                           self.epoch, self._plan_retain_s, self._plan_stale_s)
+            if step.event:
+                log.info("recovery plan: %s", step.event)
+                ops.append(self._event(keys, now, "recovery_plan", step.event, "-recovery"))
+            if step.plan is None:
+                self._plans.pop(name, None)
+                if stored is not None:
+                    ops.append(Delete(keys.recovery(name)))
+            elif step.plan == stored:
+                self._plans.pop(name, None)  # written and read back
+            else:
+                self._plans[name] = step.plan
+                ops.append(Put(keys.recovery(name), encode_value(step.plan)))
+        return ops
 
     # -- draft-assist (Algorithm 3) -------------------------------------------------------------
 
@@ -281,7 +347,7 @@ class CoordinatorService:
                 ops += [Delete(keys.assist(name)),
                         self._event(keys, now, "assist_ended",
                                     f"{name} stopped drafting for {a.survivor} ({why}): "
-                                    f"{_acceptance(a)}")]
+                                    f"{_acceptance(a)}", "-assist")]
                 continue
             kept[name] = a
             assert survivor is not None
@@ -321,13 +387,13 @@ class CoordinatorService:
             ops = [op for op in ops
                    if not (isinstance(op, Delete) and op.key == keys.assist(worker.name))]
             ops += [Put(keys.assist(worker.name), encode_value(a)),
-                    self._event(keys, now, "assist_assigned", reason)]
+                    self._event(keys, now, "assist_assigned", reason, "-assist")]
         return ops
 
-    def _event(self, keys: Keys, now: float, kind: str, message: str) -> Put:
+    def _event(self, keys: Keys, now: float, kind: str, message: str, duty: str) -> Put:
         self._event_seq = (self._event_seq + 1) % 10000
         event = Event(at=now, kind=kind, source=self.node, message=message, epoch=self.epoch)
-        return Put(keys.event(int(now * 1000), self.node + "-assist", self._event_seq),
+        return Put(keys.event(int(now * 1000), self.node + duty, self._event_seq),
                    encode_value(event))
 
 
