@@ -63,12 +63,29 @@ def status_tables(doc: dict[str, Any]) -> RenderableType:
             assists.add_row(a["recovering"], a["survivor"], a["endpoint"], acceptance,
                             _age(a["assigned_at"]))
         parts.append(assists)
+    if doc.get("recoveries"):
+        parts.append(_recoveries(doc["recoveries"]))
     if doc["problems"]:
         problems = Text("skipped values under the prefix:\n", style="yellow")
         for p in doc["problems"]:
             problems.append(f"  {p['key']}: {p['reason']}\n")
         parts.append(problems)
     return Group(*parts)
+
+
+def _recoveries(plans: list[dict[str, Any]]) -> Table:
+    """One row per recovery plan: where the interrupted requests of a worker went."""
+    table = Table(title="recovery plans (Algorithm 2)", title_justify="left", expand=False)
+    for column in ("WORKER", "CAUSE", "SINCE", "REQUESTS", "RESUMED", "RECOMPUTED", "ROUTED TO",
+                   "STATE"):
+        table.add_column(column)
+    for p in plans:
+        routed = ", ".join(f"{w} {n}" for w, n in sorted(p["targets"].items())) or "-"
+        back = p["served_again_at"]
+        state = "recovering" if back is None else f"serving again {_age(back)}"
+        table.add_row(p["worker"], p["cause"], _age(p["failed_at"]), str(p["total"]),
+                      str(p["resumed"]), str(p["recomputed"]), routed, state)
+    return table
 
 
 def checkpoints_table(doc: dict[str, Any]) -> RenderableType:

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from lumend.cluster.models import AssistAssignment, Event, Intent, WorkerRecord
+from lumend.cluster.models import AssistAssignment, Event, Intent, RecoveryPlan, WorkerRecord
 from lumend.cluster.view import ClusterView
 
 
@@ -51,6 +51,7 @@ def status_document(view: ClusterView) -> dict[str, Any]:
         "workers": workers,
         "intents": [_intent(i) for i in view.intents],
         "assists": [_assist(a) for _, a in sorted(view.assists.items())],
+        "recoveries": [_recovery(p) for _, p in sorted(view.recoveries.items())],
         "problems": [{"key": p.key, "reason": p.reason} for p in view.problems],
     }
 
@@ -63,6 +64,13 @@ def _assist(a: AssistAssignment) -> dict[str, Any]:
         "accepted_tokens": a.accepted_tokens,
         "acceptance": a.accepted_tokens / a.drafted_tokens if a.drafted_tokens else None,
     }
+
+
+def _recovery(plan: RecoveryPlan) -> dict[str, Any]:
+    """A recovery plan: the record as stored (`decisions` holds the newest only; the
+    counters cover all of them)."""
+    doc: dict[str, Any] = msgspec.to_builtins(plan)
+    return doc
 
 
 def checkpoints_document(view: ClusterView) -> dict[str, Any]:

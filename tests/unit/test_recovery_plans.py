@@ -3,9 +3,14 @@ adds, the record's bounds, when the worker serves again, retention and expiry.""
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 from msgspec.structs import replace
+from rich.console import Console
 
+from lumenctl.render import as_json, status_tables
+from lumenctl.report import status_document
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import (
     EngineInfo,
@@ -191,3 +196,19 @@ def test_the_view_decodes_plans_and_skips_one_under_another_name() -> None:
     v = build_view(KEYS, snapshot)
     assert v.recoveries == {"a": plan}
     assert sorted(p.key for p in v.problems) == [KEYS.recovery("b"), KEYS.recovery("c")]
+
+
+def test_status_shows_a_summary_row_and_json_the_record() -> None:
+    plan = new_plan("a", "failed", None, False, 0.0, 7)
+    for i, target in enumerate(["b", "c", "b"]):
+        plan = with_decision(plan, decision(i, target))
+    doc = status_document(view(*four().workers.values(), plans={"a": plan}))
+    (row,) = doc["recoveries"]
+    assert row == msgspec.to_builtins(plan)
+    assert json.loads(as_json(doc))["recoveries"][0]["decisions"][2]["target"] == "b"
+    console = Console(width=200, record=True)
+    console.print(status_tables(doc))
+    text = console.export_text()
+    assert "recovery plans" in text
+    line = next(x for x in text.splitlines() if "b 2, c 1" in x)
+    assert line.split()[:2] == ["a", "failed"] and "recovering" in line
