@@ -211,4 +211,6 @@ def test_status_shows_a_summary_row_and_json_the_record() -> None:
     text = console.export_text()
     assert "recovery plans" in text
     line = next(x for x in text.splitlines() if "b 2, c 1" in x)
-    assert line.split()[:2] == ["a", "failed"] and "recovering" in line
+    cells = [c.strip() for c in line.strip("│ ").split("│")]
+    assert cells[:2] == ["a", "failed"] and cells[3:6] == ["3", "3", "0"]
+    assert cells[7] == "recovering"
