@@ -138,12 +138,19 @@ class CoordinatorService:
     # -- inputs -------------------------------------------------------------------------------
 
     def _table(self, view: ClusterView, alive: Callable[[WorkerRecord], bool],
-               extra_queue: str | None = None) -> _Table:
+               extra_queue: str | None = None, spread_for: str | None = None) -> _Table:
+        """`spread_for`: a serving worker whose checkpoint is being placed; each peer weighs
+        one byte more per checkpoint of that worker it was given, so holders that tie on
+        L_hat take turns (a burst of admissions otherwise gives every checkpoint of the
+        last worker in each round to the same peer, and its failure to that one holder)."""
         workers = sorted(view.workers.values(), key=lambda w: w.name)
         in_flight = Counter(r.worker for r in self.requests.values())
         held: Counter[str] = Counter()
         for h in self.held.values():
             held[h.holder] += h.bytes
+        if spread_for is not None:
+            held.update(r.checkpoint.holder for r in self.requests.values()
+                        if r.worker == spread_for and r.checkpoint is not None)
         rows = []
         for w in workers:
             queue = max(w.load.running + w.load.waiting, in_flight[w.name])
@@ -180,7 +187,8 @@ class CoordinatorService:
                              f"no serving worker for {what} ({len(skip)} excluded)", mode)
         worker = table.workers[index]
         reason = f"admitted to {worker.name} (L_hat {table.load(index):.3g}, the lowest)"
-        holders = self._table(view, lambda w: eligible(view, w), extra_queue=worker.name)
+        holders = self._table(view, lambda w: eligible(view, w), extra_queue=worker.name,
+                              spread_for=worker.name)
         # The size is not known up front; one byte asks for a holder with any budget at all.
         h = place_checkpoint(holders.snapshot, index, 1.0, holders.cfg)
         ckpt = None

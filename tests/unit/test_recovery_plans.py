@@ -3,6 +3,7 @@ adds, the record's bounds, when the worker serves again, retention and expiry.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgspec
@@ -13,6 +14,7 @@ from lumenctl.render import as_json, status_tables
 from lumenctl.report import status_document
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import (
+    ClusterSettings,
     EngineInfo,
     Event,
     Intent,
@@ -214,3 +216,19 @@ def test_status_shows_a_summary_row_and_json_the_record() -> None:
     cells = [c.strip() for c in line.strip("│ ").split("│")]
     assert cells[:2] == ["a", "failed"] and cells[3:6] == ["3", "3", "0"]
     assert cells[7] == "recovering"
+
+
+def test_a_burst_of_admissions_spreads_each_workers_checkpoints_over_its_peers() -> None:
+    """Four idle workers, 32 admissions at once: under lumen the checkpoints of the worker
+    admitted last in each round (its peers tie on L_hat) take turns over all three peers;
+    fixed_checkpoint, the control, gives them all to its one neighbour."""
+    holders: dict[str, set[str]] = {}
+    for mode in ("lumen", "fixed_checkpoint"):
+        workers = [up(worker(f"n{i}-w0", f"n{i}")) for i in range(1, 5)]
+        v = dataclasses.replace(view(*workers), settings=ClusterSettings(mode=mode))
+        c = CoordinatorService("n1", 7, lambda v=v: v)  # type: ignore[misc]
+        admissions = [c.admit(f"r{i}", None, "gw") for i in range(32)]
+        holders[mode] = {a.checkpoint.holder for a in admissions
+                         if a.target is not None and a.target.worker == "n4-w0"
+                         and a.checkpoint is not None}
+    assert holders == {"lumen": {"n1-w0", "n2-w0", "n3-w0"}, "fixed_checkpoint": {"n1-w0"}}
