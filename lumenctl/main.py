@@ -81,8 +81,8 @@ class Context:
 
 app = typer.Typer(
     name="lumenctl",
-    help="Operate a LUMEN cluster: status, events, checkpoints, drain/undrain, failover, "
-    "keys.\n\n"
+    help="Operate a LUMEN cluster: status, agent, events, checkpoints, drain/undrain, "
+    "failover, keys.\n\n"
     "Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable.",
     no_args_is_help=True,
     add_completion=False,
@@ -400,6 +400,134 @@ def _wait_for_failover(c: Context, worker: str, requested_at: float, timeout_s: 
         time.sleep(0.1)
     _fail(EXIT_FAILED, f"no node carried out the failover of {worker} within {timeout_s:g} s; "
           "the intent stays (see `lumenctl status`; withdraw it with --cancel)")
+
+
+# -- agent (a node's live status over gRPC) ----------------------------------------------
+
+
+@app.command()
+def agent(
+    ctx: typer.Context,
+    node: str = typer.Argument(..., help="A node name (its gRPC address is read from etcd)."),
+    rpc_ca: Path | None = typer.Option(
+        None, "--rpc-ca", help="CA certificate of the nodes' gRPC (default: rpc.ca of "
+        "--config). With --rpc-cert and --rpc-key: mTLS; with none of them and no [rpc] "
+        "certificates in --config: plaintext."),
+    rpc_cert: Path | None = typer.Option(
+        None, "--rpc-cert", help="Client certificate signed by that CA (default: rpc.cert "
+        "of --config)."),
+    rpc_key: Path | None = typer.Option(
+        None, "--rpc-key", help="Its private key (default: rpc.key of --config)."),
+    rpc_timeout_s: float = typer.Option(3.0, "--rpc-timeout", min=0.1,
+                                        help="Seconds to wait for the node's answer."),
+) -> None:
+    """A node's live status from its own lumend (Agent Status over gRPC, not etcd): its
+    workers and engines as the node sees them now, the drained workers, the highest
+    coordinator epoch it has seen and the commands it refused for a stale epoch."""
+    from lumend.rpc.tls import RpcTls
+
+    c: Context = ctx.obj
+    config_path: Path = ctx.find_root().params.get("config") or Path(DEFAULT_CONFIG)
+    files = _rpc_tls_files(config_path, rpc_ca, rpc_cert, rpc_key)
+    tls = RpcTls(*files) if files is not None else None
+    view = _run(c, lambda store: _read_view(c, store))
+    record = view.nodes.get(node)
+    if record is None:
+        _fail(EXIT_FAILED, f"no node named {node!r} in cluster {c.cluster!r} (it is not "
+              "registered: stopped, or its lease expired); `lumenctl status` lists them")
+    status = _agent_status(record.rpc, node, tls, rpc_timeout_s)
+    doc = {
+        "node": status.node, "address": record.rpc, "tls": tls is not None,
+        "highest_epoch": status.highest_epoch, "status": status.status,
+        "stale_refused": status.stale_refused,
+        "workers": [{"name": w.name, "state": w.state, "model": w.model,
+                     "drained": w.drained, "running": w.running, "waiting": w.waiting,
+                     "engines": [{"id": e.id, "role": e.role, "state": e.state,
+                                  "url": e.url, "pid": e.pid} for e in w.engines]}
+                    for w in status.workers],
+    }
+    _emit(c, doc, _agent_table)
+
+
+def _rpc_tls_files(config: Path, ca: Path | None, cert: Path | None,
+                   key: Path | None) -> tuple[str, str, str] | None:
+    """(ca, cert, key) for mTLS from the flags, else from [rpc] of the node config; None:
+    plaintext. Exits 2 naming what is missing or unreadable."""
+    try:
+        with config.open("rb") as f:
+            rpc = tomllib.load(f).get("rpc", {})
+    except FileNotFoundError:
+        rpc = {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        _fail(EXIT_USAGE, f"cannot read {config}: {exc}; fix it or point --config elsewhere")
+    rpc = rpc if isinstance(rpc, dict) else {}
+    chosen = {"ca": ca or rpc.get("ca"), "cert": cert or rpc.get("cert"),
+              "key": key or rpc.get("key")}
+    given = {k: str(v) for k, v in chosen.items() if v}
+    if not given:
+        return None
+    if len(given) < 3:
+        missing = ", ".join(f"--rpc-{k}" for k in chosen if k not in given)
+        _fail(EXIT_USAGE, f"mTLS needs a CA, a certificate and a key together: {missing} "
+              "missing (give all three flags, or --config naming a lumend.toml whose [rpc] "
+              "has ca, cert and key)")
+    for k, path in given.items():
+        try:
+            Path(path).read_bytes()
+        except OSError as exc:
+            _fail(EXIT_USAGE, f"--rpc-{k} {path}: cannot read it ({exc.strerror}); give a "
+                  "readable PEM file")
+    return given["ca"], given["cert"], given["key"]
+
+
+def _agent_status(address: str, node: str, tls: Any, timeout_s: float) -> Any:
+    from lumend.rpc.client import AgentClient, RpcFailure
+
+    async def ask() -> Any:
+        client = AgentClient(address, tls)
+        try:
+            return await client.status(timeout_s=timeout_s)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(ask())
+    except RpcFailure as exc:
+        details = exc.details
+        lowered = details.lower()
+        if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
+            hint = ("the TLS handshake failed: lumenctl and the node do not trust each "
+                    "other's certificates (same CA for both?), or the node serves plaintext "
+                    "(then drop the --rpc-* flags)")
+        elif "socket closed" in lowered or "connection reset" in lowered:
+            hint = ("the node closed the connection: it serves mTLS and refused lumenctl "
+                    + ("without a client certificate; pass --rpc-ca, --rpc-cert and --rpc-key "
+                       "(or --config with [rpc] ca, cert and key)" if tls is None else
+                       "'s certificate (signed by a CA the node does not trust?)"))
+        elif exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            hint = (f"nothing answered there within {timeout_s:g} s: is lumend running on "
+                    f"{node} (`systemctl status lumend`) and the port reachable from here?")
+        else:
+            hint = "the node refused the call"
+        _fail(EXIT_FAILED, f"node {node}'s agent at {address}: {hint} ({exc.code}: {details})")
+
+
+def _agent_table(doc: dict[str, Any]) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(
+        title=f"node {doc['node']} (live, gRPC at {doc['address']}, "
+        f"{'mTLS' if doc['tls'] else 'plaintext'}): highest coordinator epoch seen "
+        f"{doc['highest_epoch']}, {doc['stale_refused']} stale commands refused",
+        caption=doc["status"])
+    for column in ("worker", "state", "model", "drained", "running", "waiting", "engines"):
+        table.add_column(column)
+    for w in doc["workers"]:
+        engines = ", ".join(f"{e['id']}:{e['role']}:{e['state']}"
+                            + (f" pid {e['pid']}" if e["pid"] else "") for e in w["engines"])
+        table.add_row(w["name"], w["state"], w["model"], "yes" if w["drained"] else "no",
+                      str(w["running"]), str(w["waiting"]), engines or "-")
+    return table
 
 
 def _write_intent(

@@ -21,7 +21,7 @@ from lumend.cluster.store import EtcdStore, Op, TlsFiles
 from lumend.cluster.view import ClusterView
 from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
-from lumend.failover.intents import DrainStates, FailoverIntents
+from lumend.failover.intents import DrainStates, FailoverIntents, Leaderless
 from lumend.failover.supervisor import WorkerSupervisor
 from lumend.gateway.auth import ApiKeyFileError, load_api_keys
 from lumend.gateway.server import Gateway, GatewayBindError
@@ -144,14 +144,19 @@ class Node:
             EngineCollector(lambda: list(self.supervisors.values())),
             CheckpointCollector(self.holder.stats),
         )
+        # Intents are carried out when the coordinator orders it (Agent Failover/Drain); the
+        # node acts on them alone only after a lease TTL without any coordinator.
+        leaderless, alone_after_s = Leaderless(), float(config.etcd.lease_ttl_s)
         self.intents = FailoverIntents(config.node.name, self.store, Keys(config.etcd.cluster),
-                                       self.supervisors, lambda: self.agent.view)
+                                       self.supervisors, lambda: self.agent.view,
+                                       alone_after_s, leaderless)
         self.drains = DrainStates(config.node.name, self.store, Keys(config.etcd.cluster),
-                                  lambda: self.agent.view, self.workers)
+                                  lambda: self.agent.view, self.workers, alone_after_s,
+                                  leaderless)
         # gRPC: the Agent service, the Coordinator service while elected, the gateway's link
         # to the coordinator and the holder's progress stream (lumend/rpc/plane.py).
         self.plane = ControlPlane(config, self.agent, self.holder, self.workers,
-                                  self.intents.failover)
+                                  self.intents.carry_out, self.drains.ordered)
         self.gateway = Gateway(lambda: self.agent.view, coordinator=self.plane.link)
         self.metrics.registry.register(GatewayCollector(self.gateway))
         for collector in self.plane.collectors:
@@ -175,7 +180,7 @@ class Node:
                 record = msgspec.structs.replace(record, checkpoints=CheckpointUsage(
                     bytes_held=usage.bytes_held, budget_bytes=usage.budget_bytes,
                     requests=usage.requests))
-            record = self.drains.decorate(self.plane.decorate(record))
+            record = self.drains.decorate(record)
             records.append(self.assist.decorate(record))
         return records
 

@@ -1,14 +1,23 @@
 """Carries out the intents lumenctl writes for this node's workers.
 
-`lumenctl failover WORKER`: the intent is read from the node's fresh cluster view each
-cycle; the switchover runs once per intent; the intent is then removed and the outcome
-recorded as an event, in one transaction, so `lumenctl failover --wait` can report it.
+Who orders: the coordinator. Each HA cycle it reads the intents from its fresh snapshot and
+calls the Agent service of the worker's node (`Failover`, `Drain`), carrying its epoch, so
+a deposed coordinator cannot order anything (lumend/coordinator/commands.py). A node acts
+on an intent by itself only when no coordinator has been elected for longer than
+`alone_after_s` (a lease TTL): then nobody else can.
+
+`lumenctl failover WORKER`: carried out at most once per intent. The node claims the intent
+before switching (a transaction that deletes it only if it is still the intent read, by its
+create revision), so a repeated order, a second coordinator or the node's own fallback find
+nothing left to do; a repeated order for the same intent is answered with the first
+outcome. The outcome is recorded as an event, which `lumenctl failover --wait` reports.
 
 `lumenctl drain NODE|WORKER`: admissions stop wherever the intent is seen (coordinator,
-gateways); the gateways move streams off the worker when it says --migrate. The node's part
-is to publish its drained workers as `draining` while requests are in flight there and
-`drained` once none are (what `lumenctl drain --wait` watches), and to record the moment a
-worker became empty as an event. The intent stays until `lumenctl undrain`.
+gateways); the gateways move streams off the worker when it says --migrate. The node's part,
+once the coordinator has told it (Agent Drain), is to publish its drained workers as
+`draining` while requests are in flight there and `drained` once none are (what `lumenctl
+drain --wait` watches), and to record the moment a worker became empty as an event. The
+intent stays until `lumenctl undrain`; the coordinator then tells the node to undo it.
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ import aiohttp
 import msgspec
 
 from lumend.cluster.keys import Keys
-from lumend.cluster.models import Event, Intent, WorkerRecord, encode_value
-from lumend.cluster.store import Delete, Put, Store, StoreError
+from lumend.cluster.models import Event, Intent, WorkerRecord, decode_value, encode_value
+from lumend.cluster.store import CreateRevisionIs, Delete, Store, StoreError
 from lumend.cluster.view import ClusterView
 from lumend.failover.supervisor import WorkerSupervisor
 
@@ -34,85 +43,165 @@ EVENT_DONE = "failover_done"
 EVENT_REFUSED = "failover_refused"
 EVENT_DRAINED = "drained"
 
+# Outcomes of carried-out intents kept, to answer a repeated order with the first outcome.
+OUTCOMES_KEPT = 256
+
+
+class IntentGone(Exception):
+    """The failover intent an order names is no longer pending: carried out already (by
+    this node or another path) or withdrawn. Nothing is done."""
+
+
+class FailoverFailed(RuntimeError):
+    """The switchover was tried and did not complete (recorded as failover_refused)."""
+
+
+class Leaderless:
+    """How long the node's views have shown no coordinator (0 while one is elected)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since: float | None = None
+
+    def seconds(self, view: ClusterView) -> float:
+        if view.coordinator is not None:
+            self._since = None
+            return 0.0
+        now = self._clock()
+        if self._since is None:
+            self._since = now
+        return now - self._since
+
 
 class FailoverIntents:
     def __init__(self, node: str, store: Store, keys: Keys,
                  supervisors: dict[str, WorkerSupervisor],
-                 view: Callable[[], ClusterView | None]) -> None:
+                 view: Callable[[], ClusterView | None],
+                 alone_after_s: float, leaderless: Leaderless | None = None) -> None:
         self._node = node
         self._store = store
         self._keys = keys
         self._supervisors = supervisors
         self._view = view
-        self._running: dict[str, asyncio.Task[None]] = {}
-        # Intents already carried out, by (worker, requested_at): the view that still shows
-        # one may be older than the transaction that removed it.
-        self._handled: set[tuple[str, float]] = set()
+        self._alone_after_s = alone_after_s
+        self.leaderless = leaderless or Leaderless()
+        # Intents this node has claimed or is claiming, by (worker, requested_at): their
+        # outcome, so that a repeated order is answered without a second switchover.
+        self._outcomes: dict[tuple[str, float], asyncio.Task[tuple[str, float]]] = {}
+        # Intents carried out, by path: "coordinator" (an Agent Failover) or "alone".
+        self.carried_out: dict[str, int] = {"coordinator": 0, "alone": 0}
 
     async def run(self, stop: asyncio.Event, every_s: float = 0.2) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            while not stop.is_set():
-                self.start_new(session)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), every_s)
-            for task in self._running.values():
-                task.cancel()
+        while not stop.is_set():
+            self.act_alone()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+        for task in self._outcomes.values():
+            task.cancel()
 
-    def start_new(self, session: aiohttp.ClientSession) -> None:
+    def act_alone(self) -> list[asyncio.Task[tuple[str, float]]]:
+        """With no coordinator elected for longer than `alone_after_s`, start this node's
+        pending failover intents itself; returns the switchovers started."""
         view = self._view()
         if view is None:
-            return
+            return []
+        leaderless = self.leaderless.seconds(view)
+        if leaderless <= self._alone_after_s:
+            return []
+        started = []
         for intent in view.intents:
             identity = (intent.target, intent.requested_at)
             if (intent.kind == "failover" and intent.target in self._supervisors
-                    and intent.target not in self._running and identity not in self._handled):
-                self._handled.add(identity)
-                worker = intent.target
-                task = asyncio.create_task(self._switch(session, worker))
-                self._running[worker] = task
-                task.add_done_callback(self._finished(worker))
+                    and identity not in self._outcomes):
+                by = (f"intent of {intent.requested_by}, carried out by {self._node} alone: "
+                      f"no coordinator for {leaderless:.1f} s")
+                started.append(self._start(intent.target, intent.requested_at, by, "alone"))
+        return started
 
-    def _finished(self, worker: str) -> Callable[[asyncio.Task[None]], None]:
-        def done(_: asyncio.Task[None]) -> None:
-            self._running.pop(worker, None)
+    async def carry_out(self, worker: str, requested_at: float, by: str,
+                        path: str = "coordinator") -> tuple[str, float]:
+        """Carry out the failover intent for `worker` requested at `requested_at`, once:
+        (the engine now active, seconds). A repeated call for the same intent waits for
+        and returns the first call's outcome (or raises its error). Raises `IntentGone`
+        when the intent is not pending, `FailoverFailed` when the switchover failed,
+        `StoreError` when etcd could not be asked (nothing was done; try again)."""
+        if not requested_at:  # a command without an intent: nothing to claim
+            return await asyncio.shield(asyncio.create_task(self.failover(worker, by)))
+        task = self._outcomes.get((worker, requested_at))
+        if task is None:
+            task = self._start(worker, requested_at, by, path)
+        # Shielded: an order whose caller gives up (a deadline, a coordinator stepping
+        # down) must not leave a switchover half done.
+        return await asyncio.shield(task)
 
-        return done
+    def _start(self, worker: str, requested_at: float, by: str,
+               path: str) -> asyncio.Task[tuple[str, float]]:
+        identity = (worker, requested_at)
+        task = asyncio.create_task(self._claim_and_switch(worker, requested_at, by, path))
+        self._outcomes[identity] = task
 
-    async def _switch(self, session: aiohttp.ClientSession, worker: str) -> None:
-        with contextlib.suppress(RuntimeError, aiohttp.ClientError, TimeoutError):
-            await self.failover(worker, "a failover intent", session)
+        def done(t: asyncio.Task[tuple[str, float]]) -> None:
+            error = None if t.cancelled() else t.exception()
+            # Nothing was claimed when etcd could not be asked: a later order may try again.
+            if isinstance(error, StoreError) and self._outcomes.get(identity) is t:
+                del self._outcomes[identity]
 
-    async def failover(self, worker: str, requested_by: str,
-                       session: aiohttp.ClientSession | None = None) -> tuple[str, float]:
-        """Switch `worker` to a shadow and record the outcome as an event (removing a
-        failover intent for it, if any); returns (the engine now active, seconds). Used for
-        intents and for the Agent service's Failover command; raises on failure."""
+        task.add_done_callback(done)
+        while len(self._outcomes) > OUTCOMES_KEPT:
+            oldest = next(iter(self._outcomes))
+            if not self._outcomes[oldest].done():
+                break
+            del self._outcomes[oldest]
+        return task
+
+    async def _claim_and_switch(self, worker: str, requested_at: float, by: str,
+                                path: str) -> tuple[str, float]:
+        if worker not in self._supervisors:
+            raise IntentGone(f"no worker {worker!r} on node {self._node}")
+        key = self._keys.intent("failover", worker)
+        kv = await self._store.get(key)
+        pending: Intent | None = None
+        if kv is not None:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                pending = decode_value(kv.value, Intent)
+        if kv is None or pending is None or pending.requested_at != requested_at:
+            raise IntentGone(f"no failover intent for {worker} requested at {requested_at:.3f} "
+                             "is pending (carried out already, replaced or withdrawn)")
+        # The claim: delete the intent only if it is still the one read (same create
+        # revision). Whoever deletes it carries it out; everyone else finds it gone.
+        claimed = await self._store.txn([CreateRevisionIs(key, kv.create_revision)],
+                                        [Delete(key)])
+        if not claimed.succeeded:
+            raise IntentGone(f"the failover intent for {worker} was claimed or withdrawn "
+                             "meanwhile")
+        self.carried_out[path] += 1
+        log.info("failover of %s: intent claimed (%s)", worker, by)
+        return await self.failover(worker, by)
+
+    async def failover(self, worker: str, requested_by: str) -> tuple[str, float]:
+        """Switch `worker` to a shadow and record the outcome as an event; returns (the
+        engine now active, seconds). Raises `FailoverFailed` when it did not complete."""
         supervisor = self._supervisors[worker]
         try:
-            if session is None:
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-                    active, seconds = await supervisor.switchover(s)
-            else:
-                active, seconds = await supervisor.switchover(session)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                active, seconds = await supervisor.switchover(s)
         except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
-            await self._record(worker, EVENT_REFUSED,
+            await self._record(EVENT_REFUSED,
                                f"failover of {worker} not done ({requested_by}): {exc}")
-            raise
-        await self._record(worker, EVENT_DONE, f"failover of {worker}: {active} active "
+            raise FailoverFailed(str(exc) or type(exc).__name__) from None
+        await self._record(EVENT_DONE, f"failover of {worker}: {active} active "
                            f"{seconds:.3f} s after the request ({requested_by})")
         return active, seconds
 
-    async def _record(self, worker: str, kind: str, message: str) -> None:
+    async def _record(self, kind: str, message: str) -> None:
         log.info("%s", message)
         now = time.time()
         event = Event(at=now, kind=kind, source=self._node, message=message)
         try:
-            await self._store.txn([], [
-                Delete(self._keys.intent("failover", worker)),
-                Put(self._keys.event(int(now * 1000), self._node, 0), encode_value(event)),
-            ])
+            await self._store.put(self._keys.event(int(now * 1000), self._node, 0),
+                                  encode_value(event))
         except StoreError as exc:
-            log.warning("could not record the failover of %s: %s", worker, exc)
+            log.warning("could not record an event (%s): %s", message, exc)
 
 
 def drain_intent(view: ClusterView, worker: WorkerRecord) -> Intent | None:
@@ -128,31 +217,65 @@ def in_flight(worker: WorkerRecord) -> int:
 class DrainStates:
     """A drained worker's published state: `draining` with requests in flight, `drained`
     without. Only a worker that would otherwise be published as serving changes (one that
-    is starting, recovering or failed says so instead)."""
+    is starting, recovering or failed says so instead).
+
+    Which workers are drained: `ordered`, the set the coordinator's Agent Drain commands
+    keep (shared with the Agent service). With no coordinator for longer than
+    `alone_after_s` the node sets it from the drain intents itself. With `alone_after_s`
+    None the node always decides from the intents it sees (no control plane)."""
 
     def __init__(self, node: str, store: Store, keys: Keys,
                  view: Callable[[], ClusterView | None],
-                 workers: Callable[[], list[WorkerRecord]]) -> None:
+                 workers: Callable[[], list[WorkerRecord]],
+                 alone_after_s: float | None = None,
+                 leaderless: Leaderless | None = None) -> None:
         self._node = node
         self._store = store
         self._keys = keys
         self._view = view
         self._workers = workers
+        self._alone_after_s = alone_after_s
+        self.leaderless = leaderless or Leaderless()
+        self.ordered: set[str] = set()
         # Intents whose worker was recorded empty, by (worker, requested_at): once each.
         self._recorded: set[tuple[str, float]] = set()
         self._seq = 0
+
+    def is_drained(self, record: WorkerRecord, view: ClusterView) -> bool:
+        if self._alone_after_s is None:
+            return drain_intent(view, record) is not None
+        return record.name in self.ordered
 
     def decorate(self, record: WorkerRecord) -> WorkerRecord:
         view = self._view()
         if view is None or record.state not in ("serving", "draining"):
             return record
-        if drain_intent(view, record) is None:
+        if not self.is_drained(record, view):
             return record
         state = "draining" if in_flight(record) else "drained"
         return msgspec.structs.replace(record, state=state)
 
+    def act_alone(self) -> None:
+        """With no coordinator for longer than `alone_after_s`: drain exactly the workers
+        under a drain intent (and undrain the others), as a coordinator would order."""
+        view = self._view()
+        if view is None or self._alone_after_s is None:
+            return
+        leaderless = self.leaderless.seconds(view)
+        if leaderless <= self._alone_after_s:
+            return
+        wanted = {w.name for w in self._workers() if drain_intent(view, w) is not None}
+        if wanted != self.ordered:
+            log.info("no coordinator for %.1f s: %s by this node's own reading of the drain "
+                     "intents", leaderless, ", ".join(
+                         [f"drained {n}" for n in sorted(wanted - self.ordered)]
+                         + [f"undrained {n}" for n in sorted(self.ordered - wanted)]))
+            self.ordered.clear()
+            self.ordered.update(wanted)
+
     async def run(self, stop: asyncio.Event, every_s: float = 0.2) -> None:
         while not stop.is_set():
+            self.act_alone()
             await self.record_drained()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)

@@ -1,8 +1,9 @@
 """The Agent service every lumend serves: Status, Failover and Drain for this node's workers.
 
-Commands (Failover, Drain) come from a coordinator and carry its epoch. The node's
-`EpochFence` (fed from every etcd snapshot by the HA loop) refuses an epoch lower than the
-highest seen: the sender is a deposed coordinator. Refusals are counted and logged.
+Commands (Failover, Drain) come from a coordinator, which sends them for the intents in its
+snapshot (lumend/coordinator/commands.py), and carry its epoch. The node's `EpochFence`
+(fed from every etcd snapshot by the HA loop) refuses an epoch lower than the highest seen:
+the sender is a deposed coordinator. Refusals are counted and logged.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import grpc
 
 from lumend.cluster.fencing import EpochFence, StaleEpochError
 from lumend.cluster.models import WorkerRecord
+from lumend.cluster.store import StoreError
+from lumend.failover.intents import FailoverFailed, IntentGone
 from lumend.rpc import lumen_pb2 as pb
 from lumend.rpc.messages import EngineStatus, NodeStatus, WorkerStatus
 
@@ -27,17 +30,25 @@ class CommandRefused(Exception):
         self.code = code
 
 
+# Carries out a failover: (worker, the intent's requested_at or 0 for none, who ordered it)
+# -> (the engine now active, seconds). FailoverIntents.carry_out on a node.
+FailoverFn = Callable[[str, float, str], Awaitable[tuple[str, float]]]
+
+
 class AgentService:
     def __init__(self, node: str, fence: EpochFence,
                  workers: Callable[[], Sequence[WorkerRecord]],
                  status: Callable[[], str],
-                 failover: Callable[[str, str], Awaitable[tuple[str, float]]]) -> None:
+                 failover: FailoverFn,
+                 drained: set[str] | None = None) -> None:
         self.node = node
         self.fence = fence
         self._workers = workers
         self._status = status
         self._failover = failover
-        self.drained: set[str] = set()
+        # The workers the coordinator has drained; shared with the node's DrainStates,
+        # which publishes them as draining/drained.
+        self.drained: set[str] = drained if drained is not None else set()
         self.stale_refused = 0
         self.commands: dict[str, int] = {"failover": 0, "drain": 0}
 
@@ -64,17 +75,27 @@ class AgentService:
         return NodeStatus(self.node, self.fence.highest, self._status(), workers,
                           self.stale_refused)
 
-    async def failover(self, epoch: int, worker: str) -> tuple[str, float]:
+    async def failover(self, epoch: int, worker: str,
+                       requested_at: float = 0.0) -> tuple[str, float]:
         self.admit_epoch("Failover", epoch)
         if worker not in {w.name for w in self._workers()}:
             raise CommandRefused(grpc.StatusCode.NOT_FOUND,
                                  f"no worker {worker!r} on node {self.node}")
-        self.commands["failover"] += 1
+        log.info("Failover of %s ordered by coordinator epoch %d (epoch checked)", worker,
+                 epoch)
         try:
-            return await self._failover(worker, f"coordinator epoch {epoch}")
-        except (RuntimeError, TimeoutError) as exc:
+            outcome = await self._failover(worker, requested_at,
+                                           f"ordered by coordinator epoch {epoch}")
+        except IntentGone as exc:
+            raise CommandRefused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except StoreError as exc:
+            raise CommandRefused(grpc.StatusCode.UNAVAILABLE,
+                                 f"failover of {worker} not started: etcd: {exc}") from None
+        except (FailoverFailed, RuntimeError, TimeoutError) as exc:
             raise CommandRefused(grpc.StatusCode.ABORTED,
                                  f"failover of {worker} not done: {exc}") from None
+        self.commands["failover"] += 1
+        return outcome
 
     def drain(self, epoch: int, target: str, undo: bool) -> tuple[list[str], int]:
         self.admit_epoch("Drain", epoch)
@@ -110,7 +131,8 @@ class AgentServicer:
 
     async def Failover(self, request: pb.FailoverRequest, context: Any) -> pb.FailoverReply:
         try:
-            active, seconds = await self.service.failover(request.epoch, request.worker)
+            active, seconds = await self.service.failover(request.epoch, request.worker,
+                                                          request.requested_at)
         except CommandRefused as exc:
             await context.abort(exc.code, str(exc))
         return pb.FailoverReply(epoch=request.epoch, active=active, seconds=seconds)

@@ -113,11 +113,13 @@ class AgentClient:
                             timeout_s)
         return NodeStatus.from_pb(reply)
 
-    async def failover(self, epoch: int, worker: str, timeout_s: float = 90.0
-                       ) -> tuple[str, float]:
-        """(the engine that took over, seconds it took)."""
+    async def failover(self, epoch: int, worker: str, requested_at: float = 0.0,
+                       timeout_s: float = 90.0) -> tuple[str, float]:
+        """(the engine that took over, seconds it took). `requested_at` names the failover
+        intent carried out (0: none)."""
         reply = await _call(self.address, "Failover", self._stub.Failover,
-                            pb.FailoverRequest(epoch=epoch, worker=worker), timeout_s)
+                            pb.FailoverRequest(epoch=epoch, worker=worker,
+                                               requested_at=requested_at), timeout_s)
         return reply.active, reply.seconds
 
     async def drain(self, epoch: int, target: str, undo: bool = False,

@@ -175,12 +175,14 @@ class StatusReply(_message.Message):
     def __init__(self, node: _Optional[str] = ..., highest_epoch: _Optional[int] = ..., status: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., stale_refused: _Optional[int] = ...) -> None: ...
 
 class FailoverRequest(_message.Message):
-    __slots__ = ("epoch", "worker")
+    __slots__ = ("epoch", "worker", "requested_at")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     worker: str
-    def __init__(self, epoch: _Optional[int] = ..., worker: _Optional[str] = ...) -> None: ...
+    requested_at: float
+    def __init__(self, epoch: _Optional[int] = ..., worker: _Optional[str] = ..., requested_at: _Optional[float] = ...) -> None: ...
 
 class FailoverReply(_message.Message):
     __slots__ = ("epoch", "active", "seconds")

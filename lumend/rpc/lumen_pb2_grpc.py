@@ -274,7 +274,9 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Failover(self, request, context):
-        """Hand a worker's serving role to its shadow engine (as `lumenctl failover` does).
+        """Hand a worker's serving role to its shadow engine: the coordinator carrying out a
+        `lumenctl failover` intent. Idempotent per intent: a repeated call is answered with the
+        outcome of the first; the intent is claimed (deleted) in etcd before the switch starts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,15 +7,18 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lumend.coordinator.commands import AgentCommands
 from lumend.coordinator.service import CoordinatorService
 from lumend.rpc.agent_service import AgentService
 
 
 class RpcCollector(Collector):
     def __init__(self, agent: AgentService,
-                 coordinator: Callable[[], CoordinatorService | None]) -> None:
+                 coordinator: Callable[[], CoordinatorService | None],
+                 commands: AgentCommands | None = None) -> None:
         self._agent = agent
         self._coordinator = coordinator
+        self._commands = commands
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
@@ -26,6 +29,14 @@ class RpcCollector(Collector):
         for command, n in sorted(self._agent.commands.items()):
             commands.add_metric([command], n)
         yield commands
+        orders = CounterMetricFamily(
+            "lumen_coordinator_orders", "Agent commands this node sent as coordinator for "
+            "the intents (failover, drain, undrain), by outcome (done, retry, or the refusal's "
+            "gRPC code).", labels=["command", "outcome"])
+        if self._commands is not None:
+            for (command, outcome), n in sorted(self._commands.orders.items()):
+                orders.add_metric([command, outcome], n)
+        yield orders
         service = self._coordinator()
         decisions = CounterMetricFamily(
             "lumen_coordinator_decisions", "Decisions of this node's coordinator term, by "

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-
-import msgspec
+from collections.abc import Callable, Sequence
 
 from lumend.checkpoint.holder import HolderService
 from lumend.cluster.agent import ClusterAgent
 from lumend.cluster.models import WorkerRecord
 from lumend.config import NodeConfig
+from lumend.coordinator.commands import AgentCommands
 from lumend.coordinator.service import CoordinatorService
 from lumend.gateway.coordinator import CoordinatorLink, LinkTiming
 from lumend.gateway.metrics import CoordinatorLinkCollector
-from lumend.rpc.agent_service import AgentService
+from lumend.rpc.agent_service import AgentService, FailoverFn
 from lumend.rpc.metrics import RpcCollector
 from lumend.rpc.progress import Holdings, ProgressReporter
 from lumend.rpc.server import CoordinatorServicer, RpcBindError, RpcServer
@@ -35,14 +34,14 @@ def rpc_tls(config: NodeConfig) -> RpcTls | None:
 class ControlPlane:
     def __init__(self, config: NodeConfig, agent: ClusterAgent, holder: HolderService,
                  workers: Callable[[], Sequence[WorkerRecord]],
-                 failover: Callable[[str, str], Awaitable[tuple[str, float]]]) -> None:
+                 failover: FailoverFn, drained: set[str]) -> None:
         self._config = config
         self._agent = agent
         self._holder = holder
         tls = rpc_tls(config)
         self.coordinator: CoordinatorService | None = None
         self.service = AgentService(config.node.name, agent.fence, workers,
-                                    lambda: agent.status, failover)
+                                    lambda: agent.status, failover, drained)
         self.server = RpcServer(self.service,
                                 CoordinatorServicer(lambda: self.coordinator, self._following),
                                 tls)
@@ -51,9 +50,12 @@ class ControlPlane:
             config.node.name, lambda: agent.view, tls,
             LinkTiming(coordinator_wait_s=config.etcd.lease_ttl_s + 2.0))
         self.progress = ProgressReporter(self._holdings, lambda: agent.view, tls)
+        # While elected: the intents in each snapshot become Agent orders to their nodes.
+        self.commands = AgentCommands(tls)
+        agent.lead_duties.append(self.commands.duty)
         self.collectors = (CoordinatorLinkCollector(self.link),
-                           RpcCollector(self.service, lambda: self.coordinator))
-        agent.role_listeners.append(self._role_changed)
+                           RpcCollector(self.service, lambda: self.coordinator, self.commands))
+        agent.role_listeners += [self._role_changed, self.commands.role_changed]
 
     def _role_changed(self, epoch: int | None) -> None:
         if epoch is None:
@@ -78,12 +80,6 @@ class ControlPlane:
     def _holdings(self) -> Holdings:
         return {c.ckpt_id: (c.worker, c.nbytes, c.tokens)
                 for c in self._holder.store.checkpoints.values()}
-
-    def decorate(self, record: WorkerRecord) -> WorkerRecord:
-        """A drained worker (Agent Drain) is published as draining, so no one admits to it."""
-        if record.name in self.service.drained and record.state == "serving":
-            return msgspec.structs.replace(record, state="draining")
-        return record
 
     async def start(self) -> None:
         await self.server.start(self._config.rpc.listen)

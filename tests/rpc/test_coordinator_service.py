@@ -118,8 +118,8 @@ def test_agent_commands_are_fenced_by_epoch() -> None:
     fence = EpochFence()
     done: list[str] = []
 
-    async def failover(worker: str, by: str) -> tuple[str, float]:
-        done.append(f"{worker} by {by}")
+    async def failover(worker: str, requested_at: float, by: str) -> tuple[str, float]:
+        done.append(f"{worker} {by}")
         return "e1", 0.5
 
     records = [worker("n1-w0", "n1", running=2)]
@@ -138,7 +138,7 @@ def test_agent_commands_are_fenced_by_epoch() -> None:
     # The current epoch is obeyed.
     assert agent.drain(41, "n1", undo=False) == (["n1-w0"], 2)
     assert asyncio.run(agent.failover(41, "n1-w0")) == ("e1", 0.5)
-    assert done == ["n1-w0 by coordinator epoch 41"]
+    assert done == ["n1-w0 ordered by coordinator epoch 41"]
     with pytest.raises(CommandRefused) as unknown:
         agent.drain(41, "elsewhere", undo=False)
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND

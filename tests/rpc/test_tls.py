@@ -74,7 +74,7 @@ async def _serve(tls: RpcTls | None) -> tuple[RpcServer, str]:
     return server, listen
 
 
-async def _no_failover(worker: str, by: str) -> tuple[str, float]:
+async def _no_failover(worker: str, requested_at: float, by: str) -> tuple[str, float]:
     raise RuntimeError("not in this test")
 
 
