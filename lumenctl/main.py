@@ -375,8 +375,9 @@ def failover(
     timeout_s: float = typer.Option(120.0, "--wait-timeout", help="Seconds --wait waits."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
-    """Hand a worker's serving role to its shadow engine: the node running the worker lets
-    the active engine finish, release the failover lock and a shadow take over."""
+    """Hand a worker's serving role to its shadow engine (writes a failover intent): the
+    coordinator orders the worker's node (Agent Failover, with its epoch), which lets the
+    active engine finish, release the failover lock and a shadow take over, once."""
     c: Context = ctx.obj
     if cancel:
         _remove_intent(c, "failover", worker)
@@ -412,7 +413,7 @@ def agent(
     rpc_ca: Path | None = typer.Option(
         None, "--rpc-ca", help="CA certificate of the nodes' gRPC (default: rpc.ca of "
         "--config). With --rpc-cert and --rpc-key: mTLS; with none of them and no [rpc] "
-        "certificates in --config: plaintext."),
+        "--config: plaintext."),
     rpc_cert: Path | None = typer.Option(
         None, "--rpc-cert", help="Client certificate signed by that CA (default: rpc.cert "
         "of --config)."),
