@@ -412,8 +412,8 @@ def agent(
     node: str = typer.Argument(..., help="A node name (its gRPC address is read from etcd)."),
     rpc_ca: Path | None = typer.Option(
         None, "--rpc-ca", help="CA certificate of the nodes' gRPC (default: rpc.ca of "
-        "--config). With --rpc-cert and --rpc-key: mTLS; with none of them and no [rpc] "
-        "--config: plaintext."),
+        "--config). With --rpc-cert and --rpc-key: mTLS; with none of them and no "
+        "rpc.ca/cert/key in --config: plaintext."),
     rpc_cert: Path | None = typer.Option(
         None, "--rpc-cert", help="Client certificate signed by that CA (default: rpc.cert "
         "of --config)."),
