@@ -210,3 +210,32 @@ def test_interrupted_request_is_routed_against_its_least_loaded_live_replica() -
     assert choose_replica(s, [3, 1], CFG) == 1  # the dead replica is skipped
     assert choose_replica(s, [3], CFG) is None
     assert choose_replica(s, [], CFG) is None
+
+
+def test_paper_worked_example_a_workers_checkpoints_spread_over_three_peers() -> None:
+    """The LUMEN paper's example: worker 0 serves 10 requests whose checkpoints are placed
+    one after another, each placement seeing the bytes the earlier ones added. Algorithm 1
+    spreads them over the three peers; fixed checkpointing puts all 10 on the neighbour, so
+    when worker 0 fails one peer takes every interrupted request."""
+    size = 1.0 * GIB
+    cfg_lumen = PolicyConfig(alpha=1.0 / GIB, beta=1.0, theta=10.0, tau=8, mode=Mode.lumen)
+    cfg_fixed = PolicyConfig(alpha=1.0 / GIB, beta=1.0, theta=10.0, tau=8,
+                             mode=Mode.fixed_checkpoint)
+
+    def place_ten(cfg: PolicyConfig) -> list[int]:
+        held = [0.0, 0.0, 0.0, 0.0]
+        holders = []
+        for _ in range(10):
+            snapshot = LoadSnapshot.from_workers([
+                WorkerLoad(name=f"w{i}", node=f"n{i}", ckpt_bytes=held[i], queue=2)
+                for i in range(4)])
+            holder = place_checkpoint(snapshot, 0, size, cfg)
+            assert holder is not None and holder != 0
+            held[holder] += size
+            holders.append(holder)
+        return holders
+
+    lumen, fixed = place_ten(cfg_lumen), place_ten(cfg_fixed)
+    assert sorted(set(lumen)) == [1, 2, 3]
+    assert max(lumen.count(h) for h in (1, 2, 3)) == 4  # 4/3/3: as even as 10 allows
+    assert set(fixed) == {1}  # the static neighbour takes all ten
