@@ -190,7 +190,11 @@ class CoordinatorService:
         holders = self._table(view, lambda w: eligible(view, w), extra_queue=worker.name,
                               spread_for=worker.name)
         # The size is not known up front; one byte asks for a holder with any budget at all.
-        h = place_checkpoint(holders.snapshot, index, 1.0, holders.cfg)
+        # The serving worker's index in the holders' table (not in the admission table,
+        # which may leave workers out: other models, excluded ones).
+        serving = holders.index(worker.name)
+        h = (place_checkpoint(holders.snapshot, serving, 1.0, holders.cfg)
+             if serving is not None else None)
         ckpt = None
         if h is not None:
             holder = holders.workers[h]

@@ -36,8 +36,10 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
 
     def serving() -> bool:
         view = read_view(cluster.endpoints, cluster.cluster)
-        return len(view.workers) == 2 and all(w.state == "serving"
-                                              for w in view.workers.values())
+        # Serving, and holding checkpoints: a budget shows in a heartbeat.
+        return len(view.workers) == 2 and all(
+            w.state == "serving" and w.checkpoints.budget_bytes > 0
+            for w in view.workers.values())
 
     wait_until(serving, 60, "both workers serving")
     base = cluster.node("node-1").gateway

@@ -145,3 +145,14 @@ def test_agent_commands_are_fenced_by_epoch() -> None:
     status = agent.status()
     assert status.highest_epoch == 41 and status.stale_refused == 2
     assert status.workers[0].drained
+
+
+def test_the_checkpoint_never_lands_on_the_worker_it_protects() -> None:
+    # Admission leaves a0 out (excluded), so b0 is index 0 of the admission table but
+    # index 1 among the holders: placement must exclude b0 itself, not a0.
+    v = view(worker("a0", "a"), worker("b0", "b"), worker("c0", "c", running=3))
+    service = CoordinatorService("a", 1, lambda: v)
+    for i in range(4):
+        admission = service.admit(f"r{i}", "m", "gw", exclude=["a0"])
+        assert admission.target is not None and admission.checkpoint is not None
+        assert admission.checkpoint.holder != admission.target.worker, admission.reason
