@@ -53,6 +53,9 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
                         break
                 assert time.monotonic() < wait_gateway, "the gateway never saw a worker"
                 await asyncio.sleep(0.1)
+            # The coordinator decides from its own view, read once per HA cycle (1 s): until
+            # it has seen the other worker serving, it has no holder to place checkpoints on.
+            await asyncio.sleep(2.5)
             streams = await Streams.start(session, base, "stream {} of the end-to-end test")
             # Kill the engine the streams run on: wait until a heartbeat shows them (load
             # is published once per HA cycle; on a busy machine the first read is stale).
