@@ -105,8 +105,11 @@ def test_an_intent_runs_once_and_the_node_acts_alone_only_without_a_coordinator(
                 with pytest.raises(IntentGone):
                     await restarted.carry_out("w0", asked, "ordered by coordinator epoch 8")
                 assert len(await events(store, "failover_done")) == 1
-                active = slot_in(sup, "active")
-                assert active is not None and active.spec.engine_id == outcomes[0][0]
+                # The supervisor's slot states follow its probes (one per tick).
+                await wait_for(lambda: (lambda a: a is not None
+                                        and a.spec.engine_id == outcomes[0][0])(
+                                   slot_in(sup, "active")),
+                               10, "the new engine active in the supervisor's view")
         finally:
             await store.close()
 

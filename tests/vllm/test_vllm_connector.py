@@ -33,6 +33,7 @@ pytestmark = pytest.mark.timeout(1200)
 BLOCK = 32  # the smallest block the CPU backend takes (its default is 128)
 PROMPT = [4 + (i * 37) % 270 for i in range(70)]  # token ids of the tiny vocabulary
 RESUME_AFTER = 40
+MAX_LEN = 512
 CONTINUE = 20
 
 
@@ -48,6 +49,7 @@ class VllmServer:
              "--host", "127.0.0.1", "--port", str(self.port), *VLLM_ARGS,
              # Nothing may come from a local prefix cache: every hit must be the connector's.
              "--no-enable-prefix-caching", "--block-size", str(BLOCK),
+             "--max-model-len", str(MAX_LEN),  # the tiny model's positions (after VLLM_ARGS)
              "--kv-transfer-config", LUMEN_KV_TRANSFER_CONFIG],
             stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, env=env,
             start_new_session=True)  # its own group: the engine-core and worker processes
@@ -176,8 +178,10 @@ def test_resume_from_streamed_blocks_continues_with_the_same_tokens(
     baseline = b.complete(PROMPT, RESUME_AFTER + CONTINUE, {})
 
     # A serves the request with a checkpoint and is SIGKILLed mid-decode.
-    seen = a.stream_then_kill(PROMPT, 150, {**plan, "ckpt_id": "c1", "mode": "save"},
-                              after=RESUME_AFTER)
+    # As long a request as the model allows: A must still be decoding when it is killed
+    # (a request that finished would have freed its checkpoint).
+    seen = a.stream_then_kill(PROMPT, MAX_LEN - len(PROMPT) - 1,
+                              {**plan, "ckpt_id": "c1", "mode": "save"}, after=RESUME_AFTER)
     assert seen[:RESUME_AFTER] == baseline[:RESUME_AFTER]
     resumed_prompt = PROMPT + seen[:RESUME_AFTER]
     blocks = (len(resumed_prompt) - 1) // BLOCK
