@@ -30,17 +30,20 @@ from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-from zmq.utils.z85 import encode as z85_encode
 
 from lumend.assist import wire
 from lumend.checkpoint.security import CurveKeys
+from lumend.checkpoint.zap import (
+    HANDSHAKE_FAILED,
+    ZapBindError,
+    bind_zap,
+    serve_zap,
+    watch_handshakes,
+)
 
 log = logging.getLogger("lumend.assist")
 
 LOG_EVERY_S = 10.0
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,7 @@ class DraftServer:
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         if curve is not None:
             curve.serve(sock)
-            self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -169,15 +172,10 @@ class DraftServer:
                         "tests", self.endpoint)
 
     def _bind_zap(self) -> None:
-        zap = self._context.socket(zmq.REP)
-        zap.setsockopt(zmq.LINGER, 0)
         try:
-            zap.bind(ZAP_ENDPOINT)
-        except zmq.ZMQError as exc:
-            zap.close(0)
-            raise DraftBindError(f"cannot serve ZAP authentication ({exc}): another ZAP "
-                                 "handler already runs in this ZeroMQ context") from exc
-        self._zap = zap
+            self._zap = bind_zap(self._context)
+        except ZapBindError as exc:
+            raise DraftBindError(str(exc)) from exc
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then close the socket."""
@@ -186,10 +184,13 @@ class DraftServer:
         tasks = [asyncio.create_task(self._serve(), name="draft-serve"),
                  asyncio.create_task(self._sweep(stop), name="draft-sweep")]
         if self._zap is not None:
-            tasks.append(asyncio.create_task(self._authenticate(self._zap), name="draft-zap"))
+            tasks.append(asyncio.create_task(
+                serve_zap(self._zap, self._allowed_key(), self._unauthenticated),
+                name="draft-zap"))
         if self._monitor is not None:
-            tasks.append(asyncio.create_task(self._watch_handshakes(self._monitor),
-                                             name="draft-handshakes"))
+            tasks.append(asyncio.create_task(
+                watch_handshakes(self._monitor, self._unauthenticated),
+                name="draft-handshakes"))
         try:
             await stop.wait()
         finally:
@@ -357,33 +358,12 @@ class DraftServer:
 
     # -- authentication -------------------------------------------------------------------
 
-    async def _authenticate(self, zap: zmq.asyncio.Socket) -> None:
-        """ZAP (RFC 27): admit a CURVE peer only with the cluster's client public key."""
+    def _allowed_key(self) -> bytes:
         assert self.config.curve is not None
-        allowed = self.config.curve.client_public_raw
-        while True:
-            request = await zap.recv_multipart()
-            version, request_id, _, address, _, mechanism, key = [*request, *[b""] * 7][:7]
-            if version != b"1.0" or len(request) < 6:
-                status, text = b"500", b"malformed ZAP request"
-            elif mechanism == b"CURVE" and key == allowed:
-                status, text = b"200", b"OK"
-            else:
-                status, text = b"400", b"not the cluster's client key"
-                shown = (f"client key {z85_encode(key).decode()}" if len(key) == 32
-                         else f"mechanism {mechanism.decode(errors='replace')}")
-                self._refuse("unauthenticated", f"peer {address.decode(errors='replace')} "
-                             f"presented {shown}, not the cluster's client key (check that "
-                             "its node has this cluster's [checkpoint] keys file)")
-            await zap.send_multipart([b"1.0", request_id, status, text, b"", b""])
+        return self.config.curve.client_public_raw
 
-    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] & _HANDSHAKE_FAILED:
-                self._refuse("unauthenticated", "a peer failed the CURVE handshake (no "
-                             "CURVE, or not this cluster's server key: check its "
-                             "[checkpoint] keys file)")
+    def _unauthenticated(self, message: str) -> None:
+        self._refuse("unauthenticated", message)
 
     def _refuse(self, reason: str, message: str) -> None:
         self.refused[reason] += 1
