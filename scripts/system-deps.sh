@@ -3,11 +3,13 @@
 #   etcd-server      the etcd binary (tests and `make demo` start their own members)
 #   libsystemd-dev   headers for the `systemd` extra (systemd-python), with pkg-config
 #   systemd          systemd-analyze, which the unit-file tests run (systemd need not be PID 1)
+#   openssl          the etcd role makes its CA and certificates with it
 set -euo pipefail
 
 missing=()
 command -v etcd >/dev/null 2>&1 || [ -n "${LUMEN_ETCD_BIN:-}" ] || missing+=(etcd-server)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the etcd role's PKI (Ansible tests)
 if ! command -v pkg-config >/dev/null 2>&1; then
     missing+=(pkg-config libsystemd-dev)
 elif ! pkg-config --exists libsystemd; then

@@ -177,6 +177,7 @@ class LumenConnector(KVConnectorBase_V1):
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._incomplete: set[str] = set()  # worker: checkpoints that lost a block
         self._reported_incomplete: set[str] = set()
+        self._saving: dict[str, tuple[str, str]] = {}  # worker: request -> (holder, ckpt)
         log.info("LumenConnector (%s) layout %s", role.name, self._fingerprint)
 
     # -- shared --------------------------------------------------------------------------
@@ -389,9 +390,26 @@ class LumenConnector(KVConnectorBase_V1):
                 block_index=save.block_index, block_hash=save.block_hash,
                 page=self._page(save.block_id), token_count=save.token_count)
             self.counters["blocks_saved" if sent else "blocks_dropped"] += 1
+            self._saving[save.request_id] = (save.plan.holder, save.plan.ckpt_id)
             progress = streamer.progress.get(save.plan.ckpt_id)
             if progress is None or progress.dropped or progress.refused:
                 self._incomplete.add(save.plan.ckpt_id)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Forget finished requests' checkpoint progress (the scheduler side sends their
+        FINISH): what the worker keeps, and scans each step, stays bounded by what runs."""
+        for request_id in finished_req_ids:
+            entry = self._saving.pop(request_id, None)
+            if entry is None:
+                continue
+            holder, ckpt_id = entry
+            streamer = self._streamers.get(holder)
+            if streamer is not None:
+                streamer.progress.pop(ckpt_id, None)
+            self._incomplete.discard(ckpt_id)
+            self._reported_incomplete.discard(ckpt_id)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
