@@ -9,6 +9,11 @@ LUMEN_ENGINE_ID and LUMEN_FAILOVER_LOCK.
 
 Endpoints added: GET /lumen/engine (state), POST /lumen/release (planned switchover).
 
+Control paths (everything but inference and read-only probes: vLLM's dev endpoints and
+LUMEN's release/assist) are refused with 403 unless the request comes from this machine and
+carries the token lumend gave this engine (LUMEN_ENGINE_TOKEN; lumend.engine.engine_auth):
+the port stays open to other nodes' gateways for /v1/*, and only to them.
+
 On a GPU (LUMEN_SLEEP_MODE=1, vLLM in sleep mode with its dev endpoints) two engines share
 the worker's GPUs: an engine that is not active sleeps (level 1: no KV cache, weights
 unmapped from GMS or offloaded) and wakes when it takes the lock; the active one sleeps
@@ -27,11 +32,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from lumend.engine.engine_auth import TOKEN_ENV, TOKEN_HEADER, Refusal, control_refusal
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 
 GATED_PATHS = ("/v1/completions", "/v1/chat/completions")
 SERVER_UP_TIMEOUT_S = 300.0
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 log = logging.getLogger("vllm.lumen_gate")  # under vllm.: vLLM's log configuration applies
 
@@ -47,6 +54,11 @@ class _Gate:
         self.state = "initialising" if self.sleep_mode else "standby"
         self.activated_at: float | None = None
         self.in_flight = 0
+        self.token = os.environ.get(TOKEN_ENV) or None
+        if self.token is None:
+            log.warning("engine %s: no %s in the environment (not started by lumend): control "
+                        "paths are served to local callers without a token", self.engine_id,
+                        TOKEN_ENV)
         self._wake = threading.Event()
         threading.Thread(target=self._hold_lock, name="lumen-failover-lock", daemon=True).start()
 
@@ -71,7 +83,9 @@ class _Gate:
         deadline = time.monotonic() + (SERVER_UP_TIMEOUT_S if wait_for_server else 60.0)
         while True:
             try:
-                request = urllib.request.Request(self.url + path, method="POST")
+                request = urllib.request.Request(
+                    self.url + path, method="POST",
+                    headers={TOKEN_HEADER: self.token} if self.token else {})
                 with urllib.request.urlopen(request, timeout=120):
                     return
             except OSError as exc:
@@ -100,7 +114,47 @@ class _Gate:
     def info(self) -> dict[str, Any]:
         return {"id": self.engine_id, "state": self.state, "pid": os.getpid(),
                 "activated_at": self.activated_at, "in_flight": self.in_flight,
-                "weights_source": "disk"}
+                "weights_source": "disk", "control_refused": _refusals.counts()}
+
+
+class _Refusals:
+    """Refused control requests: counted by reason (here and in vLLM's /metrics as
+    `lumen:engine_control_refused_total`), logged at most once per reason per interval."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._last_logged: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+        self._metric: Any = None
+        try:
+            from prometheus_client import Counter
+
+            self._metric = Counter("lumen:engine_control_refused",
+                                   "Control requests this engine's gate refused.", ["reason"])
+        except (ImportError, ValueError):  # no client, or registered twice in one process
+            pass
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def record(self, refusal: Refusal, client: str) -> None:
+        reason = refusal.reason
+        self._counts[reason] = self._counts.get(reason, 0) + 1
+        if self._metric is not None:
+            self._metric.labels(reason).inc()
+        now = time.monotonic()
+        if now - self._last_logged.get(reason, -REFUSAL_LOG_INTERVAL_S) < \
+                REFUSAL_LOG_INTERVAL_S:
+            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+            return
+        self._last_logged[reason] = now
+        more = self._unlogged.pop(reason, 0)
+        log.warning("engine %s refused a control request from %s: %s%s", _gate.engine_id,
+                    client, refusal.message,
+                    f" (and {more} more like it since the last report)" if more else "")
+
+
+_refusals = _Refusals()
 
 
 die_with_supervisor()
@@ -112,6 +166,14 @@ async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     from starlette.responses import JSONResponse
 
     path = request.url.path
+    client = request.client.host if request.client is not None else None
+    server = request.scope.get("server")
+    refusal = control_refusal(request.method, path, client, server[0] if server else None,
+                              request.headers.get(TOKEN_HEADER), _gate.token)
+    if refusal is not None:
+        _refusals.record(refusal, client or "an unknown peer")
+        return JSONResponse({"error": {"message": refusal.message, "type": "forbidden",
+                                       "param": None, "code": 403}}, status_code=403)
     if path == "/lumen/engine":
         return JSONResponse(_gate.info())
     if path == "/lumen/release" and request.method == "POST":
