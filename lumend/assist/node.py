@@ -66,11 +66,15 @@ class AssistLinks:
 
     async def _link(self, session: aiohttp.ClientSession, worker: WorkerRecord,
                     assignment: AssistAssignment | None) -> None:
-        active = [e.url for e in worker.engines if e.role == "active" and e.state == "active"]
+        active = [e for e in worker.engines if e.role == "active" and e.state == "active"]
         if not active:
             self.usage.pop(worker.name, None)
             return
-        url = active[0] + "/lumen/assist"
+        url = active[0].url + "/lumen/assist"
+        # Attaching and detaching control the engine: its gate wants lumend's token.
+        from lumend.engine.engine_auth import control_headers
+
+        headers = control_headers(active[0].id)
         try:
             async with session.get(url) as r:
                 if r.status == 404:
@@ -85,14 +89,15 @@ class AssistLinks:
             attached = info.get("assignment") if info.get("attached") else None
             if assignment is not None and attached != assignment.id:
                 async with session.post(url, json={"endpoint": assignment.endpoint,
-                                                   "assignment": assignment.id}) as r:
+                                                   "assignment": assignment.id},
+                                        headers=headers) as r:
                     r.raise_for_status()
                     info = await r.json()
                 self.attaches += 1
                 log.info("%s: engine attached to drafter %s at %s (assignment %s)",
                          worker.name, assignment.recovering, assignment.endpoint, assignment.id)
             elif assignment is None and attached is not None:
-                async with session.delete(url) as r:
+                async with session.delete(url, headers=headers) as r:
                     r.raise_for_status()
                 self.detaches += 1
                 log.info("%s: engine detached from its drafter (assignment %s ended)",
