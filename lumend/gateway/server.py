@@ -1,10 +1,12 @@
 """The OpenAI-compatible gateway every lumend serves on `[gateway] listen`.
 
-It proxies a completion to a serving worker and remembers the text it has passed on; when
-the upstream breaks (connection lost, engine gone, no token within the deadline) it resumes
-on a worker that serves (the same worker's shadow if it has taken over, else the least
-loaded other one), sending the prompt plus that text, so the client receives one stream:
-same `id`, no token twice, none missing. A stream on a worker under a `drain --migrate`
+It proxies a completion to a serving worker and counts its progress in token ids (every
+engine is asked for `return_token_ids`; clients see them only when they asked); when the
+upstream breaks (connection lost, engine gone, no token within the deadline) it resumes on a
+worker that serves (the same worker's shadow if it has taken over, else the least loaded
+other one) with `/v1/completions` and the prompt's ids plus the ids generated so far, so the
+client receives one stream: same `id`, no token twice, none missing (lumend/gateway/
+request.py has the resume semantics per field). A stream on a worker under a `drain --migrate`
 intent moves the same way, except that the old stream stays open until the new one has
 produced a token. Where a request starts, where its checkpoint goes
 and where an interrupted one continues are the coordinator's decisions (Admit, Recover);
@@ -32,13 +34,17 @@ from lumend.gateway.auth import ApiKeys, Denied, RefusalLog
 from lumend.gateway.checkpoints import Placement, place, route
 from lumend.gateway.coordinator import CoordinatorLink
 from lumend.gateway.latency import StreamLatency
+from lumend.gateway.render import Out, Renderer, token_logprobs
+from lumend.gateway.request import ClientRequest, RequestError, parse_request
 from lumend.gateway.routing import Target, choose_worker, drained, models
+from lumend.gateway.stops import StopScan
 from lumend.gateway.upstream import (
+    EngineError,
     EngineRefused,
     MigrateAway,
+    ReadTimeouts,
     StreamBroken,
     Upstream,
-    resume_body,
 )
 from lumend.rpc.messages import CheckpointRef, RecoverAsk
 from lumend.rpc.messages import Target as RpcTarget
@@ -55,15 +61,20 @@ class GatewayCounters:
     rejected: Counter[str] = field(default_factory=Counter)  # by reason
     routed: Counter[str] = field(default_factory=Counter)  # recovery decisions: resume/recompute
     migrations: int = 0  # streams moved off a worker under a drain --migrate intent
+    engine_errors: Counter[int] = field(default_factory=Counter)  # engine 4xx, by status
+    restarts: int = 0  # resumes recomputed from the start (guided decoding, or no clean cut)
 
 
 @dataclass(frozen=True)
 class GatewayTiming:
-    token_deadline_s: float = 30.0  # no token for this long: the upstream is broken
-    recover_within_s: float = 120.0  # give up resuming a request after this long
+    first_token_s: float = 300.0  # no first token for this long: the upstream is broken
+    token_deadline_s: float = 30.0  # no token for this long after the first: broken
+    recover_within_s: float = 120.0  # give up resuming this long after the failure
     retry_pause_s: float = 0.05
     migrate_check_s: float = 0.1  # how often streams are checked against drain intents
     migrate_retry_s: float = 1.0  # a stream that could not move is asked again after this
+    client_write_s: float = 30.0  # a client that reads nothing for this long is dropped
+    max_streams: int = 1024  # engine streams open at once; more requests get 503
 
 
 class GatewayBindError(Exception):
@@ -71,25 +82,54 @@ class GatewayBindError(Exception):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
+                 body: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+                 ) -> None:
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
+        self.body, self.headers = body, headers
+
+    def payload(self) -> dict[str, Any]:
+        return self.body or {"error": {"message": str(self), "type": self.kind,
+                                       "param": self.param, "code": self.status}}
 
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": str(self), "type": self.kind,
-                                            "param": self.param, "code": self.status}},
-                                 status=self.status)
+        return web.json_response(self.payload(), status=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client closed its connection or stopped reading."""
 
 
 @dataclass
 class Progress:
-    """What the client has received of one request."""
+    """What one request has produced, in token ids, and what its client has received."""
 
-    text: str = ""
-    tokens: int = 0
+    prompt_ids: list[int] | None = None  # as the engine that started it tokenized them
+    ids: list[int] = field(default_factory=list)  # generated ids received from engines
+    raw_text: str = ""  # the text engines streamed for `ids` (before stop strings)
+    text: str = ""  # completion text sent to the client (stop strings applied)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # non-streamed requests
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     workers: list[str] = field(default_factory=list)
     broken_at: float | None = None  # when its upstream last broke, until the next token
+    # After a resume: ids the client already has that the new engine generates again (a
+    # cut back to a clean text boundary, or a restart from the start), and text likewise.
+    again_ids: list[int] = field(default_factory=list)
+    again_text: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def context(self) -> int:
+        return len(self.prompt_ids or ()) + len(self.ids)
+
+
+class Diverged(Exception):
+    """A recomputed request did not regenerate what the client already has (sampling)."""
 
 
 class Gateway:
@@ -135,9 +175,11 @@ class Gateway:
             raise GatewayBindError(
                 f'gateway.listen = "{listen}": cannot listen there ({exc.strerror or exc}); '
                 "choose a free port or an address of this host") from exc
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0,
-                                        sock_read=self.timing.token_deadline_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        # Reads are timed per stream (first token, then gaps: lumend/gateway/upstream.py);
+        # the number of streams is bounded by max_streams, not by the connection pool.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=None)
+        self._session = aiohttp.ClientSession(timeout=timeout,
+                                              connector=aiohttp.TCPConnector(limit=0))
         self._runner = runner
         self._watcher = asyncio.create_task(self._watch_migrations(), name="gateway-migrations")
         log.info("gateway serving the OpenAI API on http://%s", listen)
@@ -199,35 +241,42 @@ class Gateway:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = _validate(await _json(request), chat)
+            try:
+                req = parse_request(await _json(request), chat)
+            except RequestError as exc:
+                raise ApiError(exc.status, str(exc), exc.kind, exc.param) from None
             view = self._view()
             if view is None:
                 raise ApiError(503, "the gateway has not read the cluster yet; retry shortly",
                                "unavailable")
-            model = body.get("model")
+            model = req.model
             if model is not None and model not in models(view):
                 raise ApiError(404, f"model {model!r} is not served by this cluster; "
                                f"GET /v1/models lists them", "not_found_error", "model")
+            if len(self._upstreams) >= self.timing.max_streams:
+                raise ApiError(503, f"the gateway has {len(self._upstreams)} engine streams "
+                               "open, its limit ([gateway] max_streams); retry shortly",
+                               "pool_exhausted", headers={"Retry-After": "1"})
         except ApiError as exc:
             self.counters.rejected[exc.kind] += 1
             return exc.response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        if body.get("stream"):
-            return await self._stream(request, body, chat, rid)
-        return await self._whole(body, chat, rid)
+        if req.stream:
+            return await self._stream(request, req, rid)
+        return await self._whole(req, rid)
 
     # -- proxying with resume -------------------------------------------------------------
 
-    async def _pieces(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
-                      on_piece: Callable[[str, str | None], Any]) -> None:
+    async def _pieces(self, rid: str, req: ClientRequest, progress: Progress,
+                      on_out: Callable[[Out], Awaitable[None]]) -> None:
         """Drive the request to its end, resuming after upstream failures."""
         started = time.monotonic()
         first: float | None = None
         last = started
 
-        async def timed(text: str, finish: str | None) -> Any:
+        async def timed(out: Out) -> None:
             nonlocal first, last
-            if text:
+            if out.text or out.token_ids:
                 last = time.monotonic()
                 if first is None:
                     first = last
@@ -235,27 +284,30 @@ class Gateway:
                 if progress.broken_at is not None:
                     self.latency.recovery.observe(last - progress.broken_at)
                     progress.broken_at = None
-            return await on_piece(text, finish)
+            await on_out(out)
 
         try:
-            await self._drive(rid, body, chat, progress, timed)
+            await self._drive(rid, req, progress, timed)
+        except Diverged as exc:
+            raise ApiError(500, f"the request could not be continued after an engine failure "
+                           f"without contradicting what was already sent ({exc})",
+                           "resume_failed") from None
         finally:
             if first is not None and progress.tokens > 1:
                 self.latency.tpot.observe((last - first) / (progress.tokens - 1))
             if self.coordinator is not None:
                 self.coordinator.finish(rid)
 
-    async def _drive(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
-                     on_piece: Callable[[str, str | None], Any]) -> None:
+    async def _drive(self, rid: str, req: ClientRequest, progress: Progress,
+                     on_out: Callable[[Out], Awaitable[None]]) -> None:
         assert self._session is not None
-        path = path_of(chat)
-        max_tokens = int(body.get("max_tokens", 16))
-        model = body.get("model")
+        model = req.model
         give_up_at = time.monotonic() + self.timing.recover_within_s
         exclude: set[str] = set()
         broken_worker: str | None = None
         placement: Placement | None = None
         routed: Target | None = None  # where recovery routing sent the request, if anywhere
+        scan = StopScan(req.stops, req.include_stop)
         while True:
             target: Target | None
             offered: Placement | None
@@ -270,51 +322,141 @@ class Gateway:
                 exclude.clear()  # every worker failed once; they may be back: try again
                 await asyncio.sleep(self.timing.retry_pause_s)
                 continue
-            if offered is not None and not progress.tokens:
+            if offered is not None and not progress.ids:
                 placement = offered  # nothing generated yet: the request starts afresh
-            if progress.tokens:
+            plan = await self._plan(req, progress, target)
+            plan.apply(progress)
+            if plan.resume:
                 self.counters.resumes += 1
-                log.info("resuming a request on %s after %d tokens", target.worker,
-                         progress.tokens)
+                log.info("resuming request %s on %s after %d tokens (%s)", rid, target.worker,
+                         progress.tokens + len(progress.again_ids), plan.how)
             progress.workers.append(target.worker)
-            upstream_body = resume_body(body, chat, progress.text, max_tokens - progress.tokens)
+            upstream_body = plan.body
             upstream_body.setdefault("model", target.model)
             if placement is not None:
                 resuming = (routed is not None and routed.worker == target.worker
-                            and placement.worker == target.worker)
-                if resuming or not progress.tokens:
+                            and placement.worker == target.worker and plan.by_ids)
+                if resuming or not progress.ids:
                     upstream_body["kv_transfer_params"] = placement.params(
                         "resume" if resuming else "save")
             routed = None
-            upstream = self._open(target, path, upstream_body)
+            upstream = self._open(target, plan.path, upstream_body)
             try:
                 while True:
                     try:
-                        await self._forward(upstream, progress, on_piece)
+                        await self._forward(upstream, req, progress, scan, on_out)
                         return
                     except MigrateAway:
                         upstream, target, placement = await self._move(
-                            rid, body, chat, progress, placement, upstream, target)
+                            rid, req, progress, placement, upstream, target)
             except EngineRefused:
                 exclude.add(target.worker)
                 broken_worker = None
+            except EngineError as exc:
+                self.counters.engine_errors[exc.status] += 1
+                log.info("request %s: %s answered %d: %s", rid, target.worker, exc.status, exc)
+                raise ApiError(exc.status, str(exc), "engine_error", body=exc.body) from None
             except StreamBroken as exc:
+                if self._complete(req, progress):
+                    await self._finish(progress, scan, on_out)
+                    return
                 log.warning("stream from %s broke after %d tokens: %s", target.worker,
                             progress.tokens, exc)
                 broken_worker = target.worker  # its shadow may already serve
                 if progress.broken_at is None:
                     progress.broken_at = time.monotonic()
-                prefix = len(progress.text) + self._prompt_chars(body, chat)
-                routed = await self._recovery(rid, model, placement, target.worker, prefix)
+                give_up_at = progress.broken_at + self.timing.recover_within_s
+                routed = await self._recovery(rid, model, placement, target.worker,
+                                              self._prefix_tokens(req, progress))
             finally:
                 await self._close(upstream)
             if time.monotonic() > give_up_at:
                 raise ApiError(503, "the request could not be resumed in time", "unavailable")
             await asyncio.sleep(self.timing.retry_pause_s)
 
+    @staticmethod
+    def _complete(req: ClientRequest, progress: Progress) -> bool:
+        """A broken stream that had nothing left to send: its finish_reason was sent, or
+        it produced its last token and broke before [DONE]."""
+        produced = progress.tokens + len(progress.again_ids)
+        return progress.finish_reason is not None or (
+            req.limit is not None and produced >= req.limit)
+
+    @staticmethod
+    async def _finish(progress: Progress, scan: StopScan,
+                      on_out: Callable[[Out], Awaitable[None]]) -> None:
+        if progress.finish_reason is not None:
+            return
+        rest = scan.flush()
+        progress.text += rest
+        progress.finish_reason = "length"
+        await on_out(Out(rest, finish_reason="length"))
+
+    @staticmethod
+    def _prefix_tokens(req: ClientRequest, progress: Progress) -> int:
+        """The context an interrupted request would recompute, in tokens (tau's input)."""
+        if progress.prompt_ids is None:
+            return req.prompt_chars() // 4  # not started: an estimate is enough
+        return progress.context
+
+    async def _plan(self, req: ClientRequest, progress: Progress, target: Target) -> ResumePlan:
+        """The engine request that (re)starts `req` on `target` given its progress."""
+        if not progress.ids and not progress.again_ids and not progress.raw_text:
+            return ResumePlan(path_of(req.chat), req.first_body())
+        if not req.guided and progress.prompt_ids is not None and progress.ids:
+            cut = await self._clean_cut(target, progress)
+            if cut is not None:
+                return ResumePlan.by_cut(req, progress, cut)
+            log.warning("no clean text boundary in the last %d tokens (or no /detokenize on "
+                        "%s): recomputing the request from its start", CUT_WINDOW,
+                        target.worker)
+        self.counters.restarts += 1
+        return ResumePlan.restart(req, progress)
+
+    async def _clean_cut(self, target: Target, progress: Progress) -> int | None:
+        """How many of the generated ids to resume after: the most whose text is exactly the
+        text received (an id whose text an engine still held back, such as the first bytes
+        of a UTF-8 character, is generated again rather than resumed after: an engine that
+        starts from a partial character cannot print it)."""
+        assert progress.prompt_ids is not None
+        prompt = progress.prompt_ids
+        base = await self._detokenize(target, prompt)
+        if base is None:
+            return None
+        want = base + progress.raw_text
+        ids = progress.ids
+        for cut in range(len(ids), max(-1, len(ids) - CUT_WINDOW), -1):
+            text = await self._detokenize(target, [*prompt, *ids[:cut]])
+            if text is None:
+                return None
+            if text == want:
+                return cut
+            if len(text) < len(want) and not want.startswith(text.rstrip("\ufffd")):
+                break
+        return None
+
+    async def _detokenize(self, target: Target, ids: list[int]) -> str | None:
+        assert self._session is not None
+        for url in target.urls:
+            try:
+                async with self._session.post(
+                        url + "/detokenize", json={"model": target.model, "tokens": ids},
+                        timeout=aiohttp.ClientTimeout(total=10.0)) as response:
+                    if response.status != 200:
+                        continue
+                    answer = await response.json()
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            text = answer.get("prompt") if isinstance(answer, dict) else None
+            if isinstance(text, str):
+                return text
+        return None
+
     def _open(self, target: Target, path: str, body: dict[str, Any]) -> Upstream:
         assert self._session is not None
-        upstream = Upstream(target.worker, self._session, target.urls, path, body)
+        upstream = Upstream(target.worker, self._session, target.urls, path, body,
+                            ReadTimeouts(self.timing.first_token_s,
+                                         self.timing.token_deadline_s))
         self._upstreams.add(upstream)
         self.in_flight[target.worker] += 1
         return upstream
@@ -326,17 +468,48 @@ class Gateway:
         await upstream.close()
 
     @staticmethod
-    async def _forward(upstream: Upstream, progress: Progress,
-                       on_piece: Callable[[str, str | None], Any]) -> None:
+    async def _forward(upstream: Upstream, req: ClientRequest, progress: Progress,
+                       scan: StopScan, on_out: Callable[[Out], Awaitable[None]]) -> None:
+        chat_upstream = upstream.path == "/v1/chat/completions"
         async for piece in upstream.pieces():
-            if piece.text:
-                progress.text += piece.text
-                progress.tokens += 1
-            if piece.finish_reason:
-                progress.finish_reason = piece.finish_reason
-            await on_piece(piece.text, piece.finish_reason)
+            if piece.prompt_token_ids is not None and progress.prompt_ids is None:
+                progress.prompt_ids = list(piece.prompt_token_ids)
+            ids = list(piece.token_ids)
+            entries = token_logprobs(piece.logprobs, chat_upstream)
+            if progress.again_ids and ids:
+                n = min(len(ids), len(progress.again_ids))
+                if ids[:n] != progress.again_ids[:n]:
+                    raise Diverged(f"generated ids {ids[:n]} where the client has "
+                                   f"{progress.again_ids[:n]}")
+                progress.ids += ids[:n]
+                del progress.again_ids[:n]
+                ids, entries = ids[n:], entries[n:]
+            progress.ids += ids
+            text = piece.text
+            progress.raw_text += text
+            if progress.again_text and text:
+                n = min(len(text), len(progress.again_text))
+                if text[:n] != progress.again_text[:n]:
+                    raise Diverged(f"generated {text[:n]!r} where the client has "
+                                   f"{progress.again_text[:n]!r}")
+                progress.again_text = progress.again_text[n:]
+                text = text[n:]
+            released = scan.feed(text, allow_stop=progress.tokens >= req.min_tokens)
+            finish, stop_reason = piece.finish_reason, piece.stop_reason
+            if scan.matched is not None:
+                finish, stop_reason = "stop", scan.matched
+            elif finish is not None:
+                released += scan.flush()
+            progress.text += released
+            if finish is not None:
+                progress.finish_reason, progress.stop_reason = finish, stop_reason
+            await on_out(Out(released, tuple(ids), entries, finish, stop_reason))
+            if finish is not None:
+                return
+        if progress.finish_reason is None:  # [DONE] without a finish_reason
+            await Gateway._finish(progress, scan, on_out)
 
-    async def _move(self, rid: str, body: dict[str, Any], chat: bool, progress: Progress,
+    async def _move(self, rid: str, req: ClientRequest, progress: Progress,
                     placement: Placement | None, old: Upstream, old_target: Target
                     ) -> tuple[Upstream, Target, Placement | None]:
         """Migrate a request off a draining worker, as a recovery would move it (Recover:
@@ -344,17 +517,17 @@ class Gateway:
         stream is closed only once the new one has produced a token. Returns the upstream
         to read on, its target and the request's checkpoint placement; when the move cannot
         happen, the old ones (the request finishes where it is)."""
-        model = body.get("model")
-        left = int(body.get("max_tokens", 16)) - progress.tokens
-        if left < 1:  # the old stream is about to end anyway
+        model = req.model
+        left = req.left(progress.tokens + len(progress.again_ids))
+        if left is not None and left < 1:  # the old stream is about to end anyway
             old.stay(self.timing.migrate_retry_s)
             return old, old_target, placement
         mode: str | None = None
         new_placement = placement
         new_target: Target | None = None
-        if progress.tokens:
-            prefix = len(progress.text) + self._prompt_chars(body, chat)
-            new_target = await self._recovery(rid, model, placement, old.worker, prefix)
+        if progress.ids:
+            new_target = await self._recovery(rid, model, placement, old.worker,
+                                              self._prefix_tokens(req, progress))
             if (new_target is not None and placement is not None
                     and placement.worker == new_target.worker):
                 mode = "resume"
@@ -363,18 +536,19 @@ class Gateway:
             # checkpoint of its own (the old stream frees its checkpoint when it closes).
             new_target, offered = await self._choose(rid, model, {old.worker}, None,
                                                      want_placement=True)
-            if offered is not None and new_target is not None and not progress.tokens:
+            if offered is not None and new_target is not None and not progress.ids:
                 new_placement, mode = offered, "save"
         if new_target is None or new_target.worker == old.worker:
             log.info("request %s stays on %s until it ends: no other worker serves it",
                      rid, old.worker)
             old.stay(self.timing.migrate_retry_s)
             return old, old_target, placement
-        upstream_body = resume_body(body, chat, progress.text, left)
+        plan = await self._plan(req, progress, new_target)
+        upstream_body = plan.body
         upstream_body.setdefault("model", new_target.model)
-        if mode is not None and new_placement is not None:
+        if mode is not None and new_placement is not None and (plan.by_ids or mode == "save"):
             upstream_body["kv_transfer_params"] = new_placement.params(mode)
-        new = self._open(new_target, path_of(chat), upstream_body)
+        new = self._open(new_target, plan.path, upstream_body)
         try:
             problem = await new.started()
         except BaseException:
@@ -386,6 +560,7 @@ class Gateway:
                         new_target.worker, problem)
             old.stay(self.timing.migrate_retry_s)
             return old, old_target, placement
+        plan.apply(progress)
         await self._close(old)
         self.counters.migrations += 1
         progress.workers.append(new_target.worker)
@@ -465,68 +640,117 @@ class Gateway:
         self.counters.routed["resume" if decision[1] else "recompute"] += 1
         return Target.of(view.workers[decision[0]])
 
-    @staticmethod
-    def _prompt_chars(body: dict[str, Any], chat: bool) -> int:
-        if chat:
-            return sum(len(m["content"]) for m in body["messages"])
-        return len(body["prompt"])
-
-    async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool,
+    async def _stream(self, request: web.Request, req: ClientRequest,
                       rid: str) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        created = int(time.time())
-        model = body.get("model") or ""
+        renderer = self._renderer(req, rid)
         progress = Progress()
 
-        async def send(text: str, finish: str | None) -> None:
-            choice: dict[str, Any] = ({"index": 0, "delta": {"content": text},
-                                       "finish_reason": finish} if chat else
-                                      {"index": 0, "text": text, "finish_reason": finish})
-            chunk = {"id": rid, "object": "chat.completion.chunk" if chat else
-                     "text_completion", "created": created, "model": model,
-                     "choices": [choice]}
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        async def write(data: bytes) -> None:
+            try:
+                if not response.prepared:
+                    await response.prepare(request)
+                await asyncio.wait_for(response.write(data), self.timing.client_write_s)
+            except TimeoutError:
+                raise ClientGone(f"the client read nothing for "
+                                 f"{self.timing.client_write_s:g} s") from None
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+                raise ClientGone(str(exc)) from None
+
+        async def send(out: Out) -> None:
+            for chunk in renderer.chunks(out, progress.prompt_ids):
+                await write(_sse(chunk))
 
         try:
             try:
-                await self._pieces(rid, body, chat, progress, send)
+                await self._pieces(rid, req, progress, send)
             except ApiError as exc:
                 self.counters.requests["failed"] += 1
-                error = {"error": {"message": str(exc), "type": exc.kind, "code": exc.status}}
-                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                if not response.prepared:  # nothing sent yet: an HTTP error, as the engine's
+                    return exc.response()
+                await write(_sse(exc.payload()))
             else:
                 self.counters.requests["resumed" if len(progress.workers) > 1 else "ok"] += 1
-            await response.write(b"data: [DONE]\n\n")
+                if req.include_usage:
+                    await write(_sse(renderer.usage_chunk(len(progress.prompt_ids or ()),
+                                                          progress.tokens)))
+            await write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionResetError:  # the client left; the upstream is already closed
+        except ClientGone as exc:  # the upstream is already closed
+            log.info("request %s: client gone (%s)", rid, exc)
             self.counters.requests["client_gone"] += 1
         return response
 
-    async def _whole(self, body: dict[str, Any], chat: bool, rid: str) -> web.Response:
+    async def _whole(self, req: ClientRequest, rid: str) -> web.Response:
         progress = Progress()
 
-        async def collect(text: str, finish: str | None) -> None:
-            return None
+        async def collect(out: Out) -> None:
+            progress.logprobs += out.logprobs
 
         try:
-            await self._pieces(rid, body, chat, progress, collect)
+            await self._pieces(rid, req, progress, collect)
         except ApiError as exc:
             self.counters.requests["failed"] += 1
             return exc.response()
         self.counters.requests["resumed" if len(progress.workers) > 1 else "ok"] += 1
-        finish = progress.finish_reason or "length"
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant",
-                                                           "content": progress.text},
-                                   "finish_reason": finish} if chat else
-                                  {"index": 0, "text": progress.text, "finish_reason": finish})
-        return web.json_response({
-            "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": body.get("model") or "",
-            "choices": [choice],
-            "usage": {"completion_tokens": progress.tokens},
-        })
+        renderer = self._renderer(req, rid)
+        return web.json_response(renderer.response(
+            progress.text, progress.ids, progress.logprobs, progress.finish_reason or "length",
+            progress.stop_reason, progress.prompt_ids))
+
+    @staticmethod
+    def _renderer(req: ClientRequest, rid: str) -> Renderer:
+        return Renderer(rid, int(time.time()), req.model or "", req.chat, req.want_ids,
+                        req.logprobs is not None, req.body["prompt"] if req.echo else None)
+
+
+CUT_WINDOW = 16  # generated ids looked back over for a clean text boundary
+
+
+@dataclass
+class ResumePlan:
+    """Where and how a request (re)starts, and what its progress becomes when it does."""
+
+    path: str
+    body: dict[str, Any]
+    resume: bool = False
+    by_ids: bool = False  # continues after its ids (a KV checkpoint can serve it)
+    how: str = "start"
+    keep: int | None = None  # generated ids kept as context; None: all
+    again_ids: list[int] = field(default_factory=list)
+    again_text: str = ""
+
+    @classmethod
+    def by_cut(cls, req: ClientRequest, progress: Progress, cut: int) -> ResumePlan:
+        assert progress.prompt_ids is not None
+        ids = progress.ids[:cut]
+        how = "after its token ids" if cut == len(progress.ids) else (
+            f"after {cut} of its {len(progress.ids)} ids: the rest had no text yet")
+        return cls("/v1/completions", req.resume_body([*progress.prompt_ids, *ids], cut),
+                   resume=True, by_ids=True, how=how, keep=cut,
+                   again_ids=[*progress.ids[cut:], *progress.again_ids])
+
+    @classmethod
+    def restart(cls, req: ClientRequest, progress: Progress) -> ResumePlan:
+        why = "guided decoding" if req.guided else "no clean cut"
+        return cls(path_of(req.chat), req.first_body(), resume=True,
+                   how=f"recomputed from the start ({why}), skipping what the client has",
+                   keep=0, again_ids=[*progress.ids, *progress.again_ids],
+                   again_text=progress.raw_text)
+
+    def apply(self, progress: Progress) -> None:
+        if self.keep is None:
+            return
+        if self.keep == 0:
+            progress.raw_text = ""
+            progress.again_text = self.again_text
+        progress.ids = progress.ids[:self.keep]
+        progress.again_ids = list(self.again_ids)
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
 
 
 async def _json(request: web.Request) -> Any:
@@ -552,31 +776,3 @@ def migrating(view: ClusterView) -> set[str]:
 
 def _target(target: RpcTarget) -> Target:
     return Target(target.worker, target.model, target.urls)
-
-
-def _validate(body: Any, chat: bool) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", "invalid_request_error")
-    if chat:
-        messages = body.get("messages")
-        if (not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages)):
-            raise ApiError(400, "messages must be a non-empty list of {role, content} strings",
-                           "invalid_request_error", "messages")
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "prompt must be a non-empty string (token-id prompts cannot "
-                           "be resumed and are not accepted)", "invalid_request_error",
-                           "prompt")
-    max_tokens = body.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ApiError(400, "max_tokens must be a positive integer", "invalid_request_error",
-                       "max_tokens")
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n = 1 is supported", "invalid_request_error", "n")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "model must be a string", "invalid_request_error", "model")
-    return body

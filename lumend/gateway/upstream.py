@@ -1,6 +1,5 @@
-"""Talking to engines: one streamed completion from a worker (read in the background, so a
-migration can open its continuation before closing it), and the body that resumes an
-interrupted one."""
+"""Talking to engines: one streamed completion from a worker, read in the background (so a
+migration can open its continuation before closing it), as pieces carrying token ids."""
 
 from __future__ import annotations
 
@@ -24,37 +23,60 @@ class StreamBroken(Exception):
     """The upstream stream ended early: connection lost, engine gone, or no token in time."""
 
 
+class EngineError(Exception):
+    """The engine answered the request with a client error (4xx): the request itself is at
+    fault (too long for the model's context, a bad parameter), so no other engine would do
+    better. Carries the engine's status and its OpenAI error body for the client."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else body.get("message")
+        super().__init__(str(message or body))
+        self.status, self.body = status, body
+
+
 @dataclass(frozen=True)
 class Piece:
+    """One chunk of an engine's stream, for the request's only choice."""
+
     text: str
     finish_reason: str | None
+    token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] | None = None  # on the first chunk only
+    stop_reason: str | int | None = None
+    logprobs: dict[str, Any] | None = None  # the engine's, in its endpoint's format
 
 
-def resume_body(original: dict[str, Any], chat: bool, emitted: str,
-                tokens_left: int) -> dict[str, Any]:
-    """The request that continues `original` after `emitted`: the prompt plus what the client
-    already has, for the tokens it still expects. Engines are deterministic functions of the
-    context (greedy), so the continuation is what the lost engine would have sent."""
-    body = {k: v for k, v in original.items() if k not in ("stream", "stream_options", "n")}
-    body["stream"] = True
-    body["max_tokens"] = tokens_left
-    if not emitted:
-        return body
-    if chat:
-        body["messages"] = [*original["messages"], {"role": "assistant", "content": emitted}]
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
-    else:
-        body["prompt"] = original["prompt"] + emitted
-    return body
+@dataclass(frozen=True)
+class ReadTimeouts:
+    first_token_s: float = 300.0  # queueing and a long prefill are not failures
+    inactivity_s: float = 30.0  # a gap between tokens this long is
+
+
+def parse_chunk(chunk: dict[str, Any]) -> Piece | None:
+    """A streamed completion or chat chunk as a Piece; None for a chunk without a choice
+    (a usage block)."""
+    prompt = chunk.get("prompt_token_ids")  # chat: on the first chunk, at the top
+    choices = chunk.get("choices") or []
+    if not choices:
+        return None if prompt is None else Piece("", None, (), tuple(prompt))
+    choice = choices[0]
+    delta = choice.get("delta") or {}
+    text = choice.get("text") if "text" in choice else delta.get("content")
+    prompt = choice.get("prompt_token_ids", prompt)
+    return Piece(text or "", choice.get("finish_reason"), tuple(choice.get("token_ids") or ()),
+                 None if prompt is None else tuple(prompt), choice.get("stop_reason"),
+                 choice.get("logprobs"))
 
 
 async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], path: str,
-                      body: dict[str, Any]) -> AsyncGenerator[Piece, None]:
+                      body: dict[str, Any], timeouts: ReadTimeouts | None = None
+                      ) -> AsyncGenerator[Piece, None]:
     """Pieces of one streamed completion from the first engine that accepts it.
 
-    Raises `EngineRefused` if none accepts, `StreamBroken` if the accepted stream ends
-    before `[DONE]`."""
+    Raises `EngineRefused` if none accepts, `EngineError` for a 4xx, `StreamBroken` if the
+    accepted stream ends before `[DONE]` or goes quiet (`timeouts`)."""
+    timeouts = timeouts or ReadTimeouts()
     response = None
     for url in urls:
         try:
@@ -63,17 +85,32 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
             continue
         if response.status == 200:
             break
-        if response.status == 400:
-            detail = await response.text()
+        if 400 <= response.status < 500 and response.status not in (404, 408, 429):
+            try:
+                detail = await response.json(content_type=None)
+            except (ValueError, aiohttp.ClientError):
+                detail = {"error": {"message": await response.text(), "type":
+                                    "BadRequestError", "code": response.status}}
             response.release()
-            raise ValueError(detail)
+            raise EngineError(response.status,
+                              detail if isinstance(detail, dict) else {"error": detail})
         response.release()  # 503 from a standby, or an engine in trouble: try the next
         response = None
     if response is None:
         raise EngineRefused(f"no engine of {', '.join(urls)} accepted the request")
     done = False
+    tokens = 0
     try:
-        async for raw in response.content:
+        while True:
+            wait = timeouts.first_token_s if not tokens else timeouts.inactivity_s
+            try:
+                raw = await asyncio.wait_for(response.content.readline(), wait)
+            except TimeoutError:
+                raise StreamBroken(f"no token for {wait:g} s ("
+                                   f"{'before the first' if not tokens else 'after'} "
+                                   f"{tokens} tokens)") from None
+            if not raw:
+                break
             line = raw.decode(errors="replace").strip()
             if not line.startswith("data:"):
                 continue
@@ -82,12 +119,16 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
                 done = True
                 return
             chunk = json.loads(data)
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta") or {}
-                text = choice.get("text") if "text" in choice else delta.get("content")
-                yield Piece(text or "", choice.get("finish_reason"))
+            if isinstance(chunk, dict) and "error" in chunk and not chunk.get("choices"):
+                error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                raise StreamBroken(f"the engine reported an error mid-stream: "
+                                   f"{error.get('message', chunk['error'])}")
+            piece = parse_chunk(chunk)
+            if piece is not None:
+                tokens += len(piece.token_ids) or bool(piece.text)
+                yield piece
         raise StreamBroken("the engine closed the stream before [DONE]")
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, json.JSONDecodeError) as exc:
         raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
     finally:
         if done:
@@ -117,21 +158,23 @@ class Upstream:
     as soon as its stream is closed."""
 
     def __init__(self, worker: str, session: aiohttp.ClientSession, urls: tuple[str, ...],
-                 path: str, body: dict[str, Any]) -> None:
+                 path: str, body: dict[str, Any], timeouts: ReadTimeouts | None = None) -> None:
         self.worker = worker
+        self.path = path
         self._items: deque[object] = deque()
         self._more = asyncio.Event()
         self._migrate_pending = False
         self.migrate_not_before = 0.0  # monotonic: a declined move is not retried before
-        self._task = asyncio.create_task(self._pump(session, urls, path, body))
+        self._task = asyncio.create_task(self._pump(session, urls, path, body, timeouts))
 
     async def _pump(self, session: aiohttp.ClientSession, urls: tuple[str, ...], path: str,
-                    body: dict[str, Any]) -> None:
+                    body: dict[str, Any], timeouts: ReadTimeouts | None) -> None:
         try:
-            async with contextlib.aclosing(stream_from(session, urls, path, body)) as pieces:
+            async with contextlib.aclosing(stream_from(session, urls, path, body,
+                                                       timeouts)) as pieces:
                 async for piece in pieces:
                     self._put(piece)
-        except (EngineRefused, StreamBroken, ValueError) as exc:
+        except (EngineRefused, StreamBroken, EngineError) as exc:
             self._put(exc)
         except Exception as exc:  # never leave the reader waiting
             self._put(StreamBroken(f"{type(exc).__name__}: {exc}"))
@@ -161,7 +204,7 @@ class Upstream:
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The pieces, in order; raises what ended the stream (EngineRefused, StreamBroken,
-        ValueError for a 400) or MigrateAway when `migrate` was asked."""
+        EngineError for a 4xx) or MigrateAway when `migrate` was asked."""
         while True:
             item = await self._next()
             if item is _END:

@@ -92,7 +92,7 @@ async def stream(session: aiohttp.ClientSession, base: str, chat: bool,
                 continue
             ids.add(chunk["id"])
             choice = chunk["choices"][0]
-            pieces.append(choice["delta"]["content"] if chat else choice["text"])
+            pieces.append(choice["delta"].get("content", "") if chat else choice["text"])
             if received is not None:
                 received[0] += 1
     return ids, "".join(pieces), errors

@@ -77,7 +77,7 @@ async def stream(session: aiohttp.ClientSession, base: str, prompt: str, chat: b
                 continue
             ids.add(chunk["id"])
             choice = chunk["choices"][0]
-            pieces.append(choice["delta"]["content"] if chat else choice["text"])
+            pieces.append(choice["delta"].get("content", "") if chat else choice["text"])
             received[0] += 1
     return ids, "".join(pieces), errors
 
