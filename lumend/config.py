@@ -187,6 +187,13 @@ class ListenSection(msgspec.Struct, frozen=True, kw_only=True):
 class GatewaySection(msgspec.Struct, frozen=True, kw_only=True):
     listen: str = _GATEWAY_LISTEN
     api_keys: str | None = None  # the API key file (lumend.gateway.auth); None: no keys
+    # An upstream is broken when its first token takes longer than first_token_s (queueing
+    # and long prefills are not failures) or a later gap exceeds token_timeout_s.
+    first_token_s: float = 300.0
+    token_timeout_s: float = 30.0
+    resume_within_s: float = 120.0  # an interrupted request is given up this long after
+    max_streams: int = 1024  # engine streams open at once; more requests get 503
+    client_write_s: float = 30.0  # a client that reads nothing for this long is dropped
 
     @property
     def address(self) -> tuple[str, int]:
@@ -231,6 +238,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     shadows: int = 1
     model: str
     draft_model: str | None = None
+    # vLLM: its engines carry LUMEN's draft-assist proposer (a survivor can be assisted),
+    # which turns off vLLM's async scheduling on every step; sim engines always can be.
+    assist: bool = False
+    kv_cache_bytes: int | None = None  # each engine's KV cache (vLLM --kv-cache-memory-bytes)
     args: list[str] = msgspec.field(default_factory=list)
     port: int  # the first engine's port; the shadows take the next ones
 
@@ -327,9 +338,11 @@ _ETCD_KEYS: tuple[str, ...] = ("endpoints", "cluster", "lease_ttl_s", "heartbeat
 _ETCD_KEYS += ("request_timeout_s", "ca_cert", "cert", "key")
 _CHECKPOINT_KEYS = ("listen", "budget_bytes", "eviction", "keys", "insecure")
 _CURVE_KEYS_EXAMPLE = "/etc/lumen/checkpoint.keys"
-_WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "args", "port")
+_WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "assist",
+                "kv_cache_bytes", "args", "port")
+_GATEWAY_TIMES = ("first_token_s", "token_timeout_s", "resume_within_s", "client_write_s")
 _SERVICES = {  # section -> (its keys, default listen address)
-    "gateway": (("listen", "api_keys"), _GATEWAY_LISTEN),
+    "gateway": (("listen", "api_keys", *_GATEWAY_TIMES, "max_streams"), _GATEWAY_LISTEN),
     "rpc": (("listen", "ca", "cert", "key"), _RPC_LISTEN),
     "checkpoint": (_CHECKPOINT_KEYS, _CHECKPOINT_LISTEN),
     "metrics": (("listen",), _METRICS_LISTEN),
@@ -566,6 +579,7 @@ def _validate(document: dict[str, Any], problems: list[ConfigProblem]) -> dict[s
             _check_rpc_tls(table)
         if name == "gateway":
             _check_api_keys(table)
+            _check_gateway_limits(table)
         if port is not None:
             services.append((table, port))
         config[name] = table.values
@@ -792,6 +806,17 @@ def _check_api_keys(table: _Table) -> None:
         table.problem("api_keys", path, str(exc))
 
 
+def _check_gateway_limits(table: _Table) -> None:
+    """[gateway] timeouts (seconds, positive) and max_streams."""
+    for name in _GATEWAY_TIMES:
+        default = getattr(GatewaySection(), name)
+        value = table.number(name, f"{name} = {default:g}")
+        if value is not None and not 0 < value <= 86400:
+            table.problem(name, value, f"use a number of seconds above 0, e.g. {name} = "
+                          f"{default:g}")
+    table.integer("max_streams", "max_streams = 1024", 1, 1_000_000)
+
+
 _RPC_TLS_EXAMPLES = {
     "ca": '"/etc/lumen/rpc-ca.pem"',
     "cert": '"/etc/lumen/rpc-node.pem"',
@@ -872,9 +897,46 @@ def _check_worker(table: _Table) -> _Worker:
             drafts = ", ".join(f'"{d}"' for d in SIM_DRAFTS)
             table.problem(key, model, f"a sim worker's draft_model names a sim drafter: "
                           f"{drafts} (or leave it out: no draft-assist)")
-    table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str)
+    args = table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str) or []
+    _check_engine_budget_and_assist(table, engine, args)
     port = table.integer("port", "8100", 1, 65535, required=True)
     return _Worker(table, name, gpus, _engine_ports(table, port, shadows))
+
+
+def _check_engine_budget_and_assist(table: _Table, engine: str | None, args: list[str]) -> None:
+    """workers[i].assist (a boolean) and kv_cache_bytes (a size above 0); neither may also be
+    set through the worker's args, where lumend could not tell which one wins."""
+
+    def in_args(*options: str) -> str | None:
+        return next((a for a in args for o in options if a == o or a.startswith(o + "=")), None)
+
+    assist = table.raw("assist", "true")
+    if assist is not _ABSENT:
+        if not isinstance(assist, bool):
+            table.wrong_type("assist", assist, "true or false", "true")
+        else:
+            table.values["assist"] = assist
+            own = in_args("--speculative-config", "-sc")
+            if assist and engine == "vllm" and own:
+                table.problem("assist", assist, f"args already set {own}: LUMEN's draft-assist "
+                              "proposer is a speculative config of its own; remove one of them")
+    value = table.raw("kv_cache_bytes", '"8GiB"')
+    if value is _ABSENT:
+        return
+    try:
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise ValueError(_SIZE_HINT)
+        size = parse_size(value)
+        if size == 0:
+            raise ValueError(f"an engine needs some KV cache; {_SIZE_HINT}")
+    except ValueError as exc:
+        table.problem("kv_cache_bytes", value, str(exc))
+        return
+    own = in_args("--kv-cache-memory-bytes")
+    if own:
+        table.problem("kv_cache_bytes", value, f"args already set {own}; keep one of them")
+        return
+    table.values["kv_cache_bytes"] = size
 
 
 def _is_str(value: object) -> bool:

@@ -24,7 +24,7 @@ from lumend.engine.adapter import adapter_for
 from lumend.failover.intents import DrainStates, FailoverIntents, Leaderless
 from lumend.failover.supervisor import WorkerSupervisor
 from lumend.gateway.auth import ApiKeyFileError, load_api_keys
-from lumend.gateway.server import Gateway, GatewayBindError
+from lumend.gateway.server import Gateway, GatewayBindError, GatewayTiming
 from lumend.metrics import (
     CheckpointCollector,
     EngineCollector,
@@ -157,7 +157,14 @@ class Node:
         # to the coordinator and the holder's progress stream (lumend/rpc/plane.py).
         self.plane = ControlPlane(config, self.agent, self.holder, self.workers,
                                   self.intents.carry_out, self.drains.ordered)
-        self.gateway = Gateway(lambda: self.agent.view, coordinator=self.plane.link)
+        gw = config.gateway
+        self.gateway = Gateway(lambda: self.agent.view, coordinator=self.plane.link,
+                               timing=GatewayTiming(
+                                   first_token_s=gw.first_token_s,
+                                   token_deadline_s=gw.token_timeout_s,
+                                   recover_within_s=gw.resume_within_s,
+                                   client_write_s=gw.client_write_s,
+                                   max_streams=gw.max_streams))
         self.metrics.registry.register(GatewayCollector(self.gateway))
         for collector in self.plane.collectors:
             self.metrics.registry.register(collector)
