@@ -10,18 +10,22 @@ A request asks for a checkpoint in its body, exactly as for the sim engine:
     "kv_transfer_params": {"lumen": {"ckpt_id": ..., "holder": "tcp://host:port",
                                      "worker": ..., "mode": "save" | "resume"}}
 
-Save: every block that became full in a step (decode blocks included) is copied out of the
-paged KV cache after the step's forward (`wait_for_save`) and handed to the holder without
+Save: the blocks that became full in a step (decode blocks included) are gathered out of
+the paged KV cache after the step's forward (`wait_for_save`), in one batch; on CUDA the copy
+to pinned host memory runs on a side stream and the pages are handed to the holder once it
+completed (a later step), so the step never waits for it. Pages go to the holder without
 waiting (`CheckpointStreamer`: drops are counted, never block decoding). Resume: the request
 arrives as a new prompt (prompt + tokens already generated); vLLM's chained block hashes of
 that prompt are the hashes the saving engine streamed, so the scheduler asks the holder how
-many consecutive blocks it has (`LOOKUP`) and the worker loads them (`GET`) before the
-forward that computes the rest. Best effort: any miss or bad page means recompute, never an
-error to the client (with `kv_load_failure_policy: recompute`).
+many consecutive blocks it has (one `LOOKUP` of all of them) and the worker fetches them
+(`GET`s in flight together) and loads them in one batch before the forward that computes
+the rest. Best effort: any miss or bad page means recompute, never an error to the client
+(with `kv_load_failure_policy: recompute`).
 
-Pages are opaque bytes, one page = one block of every layer of this tensor-parallel rank;
-they only move between engines with the same layout fingerprint (model, KV dtype, block size,
-layers, heads, head size, tp size, platform, hash algorithm).
+Pages are opaque bytes, one page = one block of every layer of this tensor-parallel rank
+(`lumend.engine.kv_pages`); they only move between engines with the same layout fingerprint
+(page format, model, KV dtype, block size, layers, heads, head size, tp size, platform, hash
+algorithm).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+from lumend.engine.kv_pages import PAGE_FORMAT, KvPages, StagedPages
 from lumend.engine.sim_checkpoint import CheckpointPlan, parse_plan
 
 if TYPE_CHECKING:
@@ -64,7 +70,8 @@ log = logging.getLogger("vllm.lumen_connector")
 # against these versions, and refuses to load elsewhere rather than misbehave.
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 LOOKUP_TIMEOUT_S = 0.5
-GET_TIMEOUT_S = 2.0
+GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
+GET_WINDOW = 64  # GETs in flight at once while a resume fetches its pages
 CONNECT_TIMEOUT_S = 1.0
 IN_FLIGHT_MIB = 256  # per engine rank; kv_connector_extra_config {"in_flight_mib": N}
 
@@ -148,7 +155,8 @@ def layout_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     heads = getattr(spec, "num_kv_heads", "?")
     head_size = getattr(spec, "head_size", "?")
     hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
-    return (f"vllm/{current_platform.device_type}/{dtype}/bs{spec.block_size}/L{layers}/"
+    return (f"vllm/page{PAGE_FORMAT}/{current_platform.device_type}/{dtype}/"
+            f"bs{spec.block_size}/L{layers}/"
             f"H{heads}x{head_size}/tp{tp}/{hash_algo}/{os.path.basename(model)}")
 
 
@@ -169,9 +177,11 @@ class LumenConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (local tokens, holder blocks)
         # Worker side
-        self._kv_layers: list[torch.Tensor] = []
-        self._block_dim = 0
+        self._pages: KvPages | None = None
         self._page_layout: PageLayout | None = None
+        # Saves whose copy to the host is under way (CUDA), oldest first; sent in order.
+        self._copying: deque[tuple[StagedPages, list[SaveSpec]]] = deque()
+        self._finished_while_copying: set[str] = set()
         self._load_errors: set[int] = set()
         # Counts since the last stats report (vLLM sums them into Prometheus counters).
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -316,60 +326,54 @@ class LumenConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        self._kv_layers = [kv_caches[name] for name in sorted(kv_caches)]
-        first = self._kv_layers[0]
+        layers = [kv_caches[name] for name in sorted(kv_caches)]
+        first = layers[0]
         dims = [d for d, size in enumerate(first.shape) if size == num_blocks]
         if not dims:
             raise ValueError(f"LumenConnector: no dimension of the KV cache {tuple(first.shape)}"
                              f" has the block count {num_blocks}")
-        self._block_dim = dims[0]
-        page = torch.stack([self._block(layer, 0) for layer in self._kv_layers])
+        self._pages = KvPages(layers, dims[0])
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self._page_layout = PageLayout(
             model=self._model, layout_fingerprint=self._fingerprint, dtype="uint8",
-            page_shape=(page.numel() * page.element_size(),),
+            page_shape=(self._pages.page_nbytes,),
             tp_rank=get_tensor_model_parallel_rank(), tp_size=self._tp_size)
-        self._page_shape = tuple(page.shape)
-        log.info("LumenConnector: %d layers, block dim %d, page %s %s = %d bytes",
-                 len(self._kv_layers), self._block_dim, self._page_shape, page.dtype,
-                 self._page_layout.page_nbytes)
-
-    def _block(self, layer: torch.Tensor, block_id: int) -> torch.Tensor:
-        return layer.select(self._block_dim, block_id)
-
-    def _page(self, block_id: int) -> Any:
-        """One block of every layer, copied into host memory of its own (ZeroMQ sends it
-        without copying, after the engine may have reused the block)."""
-        page = torch.stack([self._block(layer, block_id) for layer in self._kv_layers])
-        return page.cpu().contiguous().view(torch.uint8).numpy()
+        log.info("LumenConnector: %d layers, block dim %d, block %s %s, page %d bytes, up to "
+                 "%d blocks per copy", len(layers), dims[0], self._pages.block_shapes[0],
+                 first.dtype, self._pages.page_nbytes, self._pages.batch_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, LumenConnectorMetadata)
-        if not meta.loads or self._page_layout is None:
+        if not meta.loads or self._pages is None or self._page_layout is None:
             return
+        # Every resumed request of this step: its pages fetched together, then one batch.
+        block_ids: list[int] = []
+        pages: list[Any] = []
         for load in meta.loads:
-            self._load(load, self._page_layout)
+            fetched = self._fetch(load, self._page_layout)
+            block_ids += load.block_ids[:len(fetched)]
+            pages += fetched
+        if block_ids:
+            self._pages.load(block_ids, pages)
+            self.counters["blocks_loaded"] += len(block_ids)
 
-    def _load(self, load: LoadSpec, layout: PageLayout) -> None:
+    def _fetch(self, load: LoadSpec, layout: PageLayout) -> list[Any]:
+        """The pages of `load` up to the first one missing or of the wrong size; the blocks
+        after it are recomputed (kv_load_failure_policy=recompute)."""
         streamer = self._streamer(load.plan.holder, layout)
-        for position, (block_id, block_hash) in enumerate(zip(load.block_ids,
-                                                               load.block_hashes, strict=True)):
-            fetched = streamer.get(load.plan.ckpt_id, block_hash, timeout_s=GET_TIMEOUT_S)
-            if fetched is None or fetched.data.nbytes != layout.page_nbytes:
-                # This block and the rest are recomputed (kv_load_failure_policy=recompute).
-                self.counters["load_failures"] += 1
-                self._load_errors.update(load.block_ids[position:])
-                log.warning("checkpoint %s: block %d missing or of the wrong size; the "
-                            "request recomputes from there", load.plan.ckpt_id, position)
-                return
-            page = torch.frombuffer(bytearray(fetched.data), dtype=torch.uint8)
-            first = self._kv_layers[0]
-            page = page.view(first.dtype).view(self._page_shape)
-            for layer, layer_page in zip(self._kv_layers, page, strict=True):
-                self._block(layer, block_id).copy_(layer_page.to(layer.device))
-            self.counters["blocks_loaded"] += 1
+        fetched = streamer.get_many(load.plan.ckpt_id, load.block_hashes,
+                                    window=GET_WINDOW, timeout_s=GET_TIMEOUT_S)
+        usable = 0
+        while usable < len(fetched) and fetched[usable].data.nbytes == layout.page_nbytes:
+            usable += 1
+        if usable < len(load.block_ids):
+            self.counters["load_failures"] += 1
+            self._load_errors.update(load.block_ids[usable:])
+            log.warning("checkpoint %s: block %d missing or of the wrong size; the request "
+                        "recomputes from there", load.plan.ckpt_id, usable)
+        return [page.data for page in fetched[:usable]]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -379,26 +383,55 @@ class LumenConnector(KVConnectorBase_V1):
         return  # whole blocks are copied once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata() or self._page_layout is None:
+        self._send_copied()
+        if not self.has_connector_metadata() or self._pages is None:
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, LumenConnectorMetadata)
-        for save in meta.saves:
-            streamer = self._streamer(save.plan.holder, self._page_layout)
-            sent = streamer.put_block(
-                ckpt_id=save.plan.ckpt_id, request_id=save.request_id, worker=save.plan.worker,
-                block_index=save.block_index, block_hash=save.block_hash,
-                page=self._page(save.block_id), token_count=save.token_count)
-            self.counters["blocks_saved" if sent else "blocks_dropped"] += 1
-            self._saving[save.request_id] = (save.plan.holder, save.plan.ckpt_id)
-            progress = streamer.progress.get(save.plan.ckpt_id)
-            if progress is None or progress.dropped or progress.refused:
-                self._incomplete.add(save.plan.ckpt_id)
+        if not meta.saves:
+            return
+        first = 0
+        for batch in self._pages.save([save.block_id for save in meta.saves]):
+            self._copying.append((batch, meta.saves[first:first + len(batch.block_ids)]))
+            first += len(batch.block_ids)
+        self._send_copied()
+        # Bounded host memory: past the in-flight budget, wait for the oldest copies.
+        while self._copying and sum(b.nbytes for b, _ in self._copying) > self._in_flight_bytes:
+            self._copying[0][0].wait()
+            self._send_copied()
+
+    def _send_copied(self) -> None:
+        """Hand the pages whose copy completed to their holders, in the order saved."""
+        while self._copying and self._copying[0][0].ready():
+            batch, saves = self._copying.popleft()
+            host = batch.pages.numpy()  # rows keep the pinned buffer alive until sent
+            for row, save in enumerate(saves):
+                if save.request_id in self._finished_while_copying:
+                    continue  # finished meanwhile: its checkpoint is freed
+                self._send(save, host[row])
+        if not self._copying:
+            self._finished_while_copying.clear()
+
+    def _send(self, save: SaveSpec, page: Any) -> None:
+        assert self._page_layout is not None
+        streamer = self._streamer(save.plan.holder, self._page_layout)
+        sent = streamer.put_block(
+            ckpt_id=save.plan.ckpt_id, request_id=save.request_id, worker=save.plan.worker,
+            block_index=save.block_index, block_hash=save.block_hash, page=page,
+            token_count=save.token_count)
+        self.counters["blocks_saved" if sent else "blocks_dropped"] += 1
+        self._saving[save.request_id] = (save.plan.holder, save.plan.ckpt_id)
+        progress = streamer.progress.get(save.plan.ckpt_id)
+        if progress is None or progress.dropped or progress.refused:
+            self._incomplete.add(save.plan.ckpt_id)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Forget finished requests' checkpoint progress (the scheduler side sends their
         FINISH): what the worker keeps, and scans each step, stays bounded by what runs."""
+        self._send_copied()
+        if self._copying:
+            self._finished_while_copying |= finished_req_ids
         for request_id in finished_req_ids:
             entry = self._saving.pop(request_id, None)
             if entry is None:
@@ -462,6 +495,9 @@ class LumenConnector(KVConnectorBase_V1):
         return False  # best effort: a dropped save is a later recompute, not an error
 
     def shutdown(self) -> None:
+        for batch, _ in self._copying:
+            batch.wait()
+        self._send_copied()
         for streamer in self._streamers.values():
             streamer.close()
         self._streamers.clear()
