@@ -75,6 +75,7 @@ class GatewayTiming:
     migrate_retry_s: float = 1.0  # a stream that could not move is asked again after this
     client_write_s: float = 30.0  # a client that reads nothing for this long is dropped
     max_streams: int = 1024  # engine streams open at once; more requests get 503
+    shadow_wait_s: float = 1.0  # how long a broken stream waits for its worker's shadow
 
 
 class GatewayBindError(Exception):
@@ -307,6 +308,7 @@ class Gateway:
         broken_worker: str | None = None
         placement: Placement | None = None
         routed: Target | None = None  # where recovery routing sent the request, if anywhere
+        shadow = False  # routed to the broken worker's own shadow engine
         scan = StopScan(req.stops, req.include_stop)
         while True:
             target: Target | None
@@ -334,12 +336,15 @@ class Gateway:
             upstream_body = plan.body
             upstream_body.setdefault("model", target.model)
             if placement is not None:
+                # On the holder's worker (Algorithm 2's resume), or on the worker's own shadow
+                # (which loads the checkpoint from the holder on the other node).
                 resuming = (routed is not None and routed.worker == target.worker
-                            and placement.worker == target.worker and plan.by_ids)
+                            and plan.by_ids and (placement.worker == target.worker
+                                                 or shadow))
                 if resuming or not progress.ids:
                     upstream_body["kv_transfer_params"] = placement.params(
                         "resume" if resuming else "save")
-            routed = None
+            routed, shadow = None, False
             upstream = self._open(target, plan.path, upstream_body)
             try:
                 while True:
@@ -366,13 +371,45 @@ class Gateway:
                 if progress.broken_at is None:
                     progress.broken_at = time.monotonic()
                 give_up_at = progress.broken_at + self.timing.recover_within_s
-                routed = await self._recovery(rid, model, placement, target.worker,
-                                              self._prefix_tokens(req, progress))
+                routed = await self._shadow_of(target)
+                shadow = routed is not None
+                if shadow:
+                    self.counters.routed["shadow"] += 1
+                    log.info("request %s continues on %s: its shadow engine took over", rid,
+                             target.worker)
+                else:
+                    routed = await self._recovery(rid, model, placement, target.worker,
+                                                  self._prefix_tokens(req, progress))
             finally:
                 await self._close(upstream)
             if time.monotonic() > give_up_at:
                 raise ApiError(503, "the request could not be resumed in time", "unavailable")
             await asyncio.sleep(self.timing.retry_pause_s)
+
+    async def _shadow_of(self, broken: Target) -> Target | None:
+        """The broken stream's own worker, when another of its engines has become active
+        within the shadow takeover time (well under a second): the stream continues there,
+        as on any worker, after its token ids. None for a worker with one engine."""
+        assert self._session is not None
+        if len(broken.urls) < 2:
+            return None
+        deadline = time.monotonic() + self.timing.shadow_wait_s
+        while True:
+            for url in broken.urls:
+                try:
+                    async with self._session.get(
+                            url + "/lumen/engine",
+                            timeout=aiohttp.ClientTimeout(total=0.5)) as response:
+                        state = (await response.json()).get("state")
+                except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+                    continue
+                if state == "active":
+                    # The active engine first: the gateway tries the urls in order.
+                    return Target(broken.worker, broken.model,
+                                  (url, *(u for u in broken.urls if u != url)))
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.05)
 
     @staticmethod
     def _complete(req: ClientRequest, progress: Progress) -> bool:
