@@ -11,6 +11,7 @@ Used by bench/gpu/device_check.py (step g, CUDA) and bench/checkpoint_vllm.py --
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import sys
 import time
@@ -39,6 +40,7 @@ def kv_cache(shape: dict[str, Any], num_blocks: int, device: torch.device
     generator = torch.Generator(device="cpu").manual_seed(7)
     layers = []
     for _ in range(shape["layers"]):
+        dims: tuple[int, ...]
         if device.type == "cuda":
             dims = (2, num_blocks, shape["block_size"], shape["kv_heads"], shape["head_size"])
         else:
@@ -47,9 +49,16 @@ def kv_cache(shape: dict[str, Any], num_blocks: int, device: torch.device
     return layers, 1 if device.type == "cuda" else 0
 
 
-def old_save(layers: list[torch.Tensor], block_dim: int, ids: list[int]) -> list[Any]:
+def host_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a contiguous host tensor (no numpy: the GPU machine may lack it)."""
+    assert tensor.device.type == "cpu" and tensor.is_contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def old_save(layers: list[torch.Tensor], block_dim: int, ids: list[int]
+             ) -> list[torch.Tensor]:
     return [torch.stack([layer.select(block_dim, b) for layer in layers]).cpu().contiguous()
-            .view(torch.uint8).numpy() for b in ids]
+            .view(-1).view(torch.uint8) for b in ids]
 
 
 def old_load(layers: list[torch.Tensor], block_dim: int, ids: list[int],
@@ -62,14 +71,14 @@ def old_load(layers: list[torch.Tensor], block_dim: int, ids: list[int],
             layer.select(block_dim, block_id).copy_(layer_page.to(layer.device))
 
 
-def new_save(pages: KvPages, ids: list[int]) -> tuple[list[Any], float]:
+def new_save(pages: KvPages, ids: list[int]) -> tuple[list[torch.Tensor], float]:
     """The pages, and the seconds the caller was held (the rest overlaps on CUDA)."""
     started = time.perf_counter()
     staged = pages.save(ids)
     held = time.perf_counter() - started
     for batch in staged:
         batch.wait()
-    return [row for batch in staged for row in batch.pages.numpy()], held
+    return [row for batch in staged for row in batch.pages], held
 
 
 def _sync(device: torch.device) -> None:
@@ -81,8 +90,8 @@ def _digest(layers: list[torch.Tensor], block_dim: int, ids: list[int]) -> str:
     h = hashlib.sha256()
     for layer in layers:
         for b in ids:
-            h.update(layer.select(block_dim, b).contiguous().view(torch.uint8).cpu().numpy()
-                     .tobytes())
+            h.update(host_bytes(layer.select(block_dim, b).contiguous().view(-1)
+                                .view(torch.uint8).cpu()))
     return h.hexdigest()
 
 
@@ -97,8 +106,8 @@ def measure(shape: dict[str, Any], device: torch.device, *, blocks: int = 64,
     expected = _digest(layers, block_dim, source)
     timings: dict[str, list[float]] = {"old_save": [], "new_save": [], "new_save_held": [],
                                        "old_load": [], "new_load": []}
-    saved_old: list[Any] = []
-    saved_new: list[Any] = []
+    saved_old: list[torch.Tensor] = []
+    saved_new: list[torch.Tensor] = []
     for _ in range(repeats):
         _sync(device)
         t = time.perf_counter()
@@ -109,11 +118,17 @@ def measure(shape: dict[str, Any], device: torch.device, *, blocks: int = 64,
         saved_new, held = new_save(pages, source)
         timings["new_save"].append(time.perf_counter() - t)
         timings["new_save_held"].append(held)
-    same_bytes = all(bytes(a) == bytes(b) for a, b in zip(saved_old, saved_new, strict=True))
-    fetched = [bytes(p) for p in saved_new]  # as the holder's replies arrive: host buffers
+    same_bytes = all(torch.equal(a, b) for a, b in zip(saved_old, saved_new, strict=True))
+    fetched = [host_bytes(p) for p in saved_new]  # as the holder's replies arrive
     restored = {}
-    for name, load in (("old_load", lambda: old_load(layers, block_dim, target, fetched)),
-                       ("new_load", lambda: pages.load(target, fetched))):
+
+    def load_old() -> None:
+        old_load(layers, block_dim, target, fetched)
+
+    def load_new() -> None:
+        pages.load(target, fetched)
+
+    for name, load in (("old_load", load_old), ("new_load", load_new)):
         for _ in range(repeats):
             for layer in layers:
                 layer.select(block_dim, 0).zero_()
