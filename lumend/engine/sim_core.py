@@ -3,18 +3,31 @@
 Pure logic, no I/O: the HTTP server (`sim_server.py`) drives `Scheduler.step()` and
 sleeps for the step time it returns.
 
-Tokens are bytes in the printable ASCII range, so a completion's text re-encodes to the
-exact same tokens: a request resumed elsewhere (prompt + text generated so far, sent as a
-new prompt) continues with exactly the tokens a failure-free run would have produced.
+With the default vocabulary tokens are bytes in the printable ASCII range, so a
+completion's text re-encodes to the exact same tokens: a request resumed elsewhere (prompt
++ text generated so far, sent as a new prompt) continues with exactly the tokens a
+failure-free run would have produced. The `bpe` vocabulary (`sim_tokenizer`) does not have
+that property, as real tokenizers do not: there a stream resumes exactly only by its ids.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import random
 import struct
+from array import array
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from lumend.engine.sim_tokenizer import (
+    ByteVocabulary,
+    Ranked,
+    Vocabulary,
+    context_tail,
+    tail_after,
+)
 
 FIRST_TOKEN = 32  # " "
 VOCAB = 95  # " " .. "~"
@@ -61,10 +74,17 @@ def block_hashes(seed: int, tokens: list[int], start: int = 0,
     out = []
     key = seed.to_bytes(8, "big")
     for i in range(start, len(tokens) // BLOCK_SIZE):
-        block = bytes(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+        block = _block_bytes(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
         previous = hashlib.blake2b(previous + block, key=key, digest_size=16).digest()
         out.append(previous)
     return out
+
+
+def _block_bytes(block: list[int]) -> bytes:
+    try:
+        return bytes(block)  # one byte per token: the default vocabulary's ids
+    except ValueError:
+        return array("I", block).tobytes()  # ids past 255 (the bpe vocabulary)
 
 
 def kv_page(block_hash: bytes, page_bytes: int) -> bytes:
@@ -91,17 +111,97 @@ class StepCost:
                 + self.d * decode_batch + self.e * decode_context)
 
 
+class TokenModel:
+    """The token function over a vocabulary: greedy picks the best candidate; a sampled
+    request draws among the candidates with its temperature; with `eos_every` N > 0 the
+    model ends a text with EOS about once per N tokens (never mid-character)."""
+
+    def __init__(self, vocab: Vocabulary | None = None, eos_every: int = 0,
+                 tokens_per_chunk: int = 1) -> None:
+        if eos_every < 0:
+            raise ValueError(f"eos_every must be 0 (never) or more, got {eos_every}")
+        if tokens_per_chunk < 1:
+            raise ValueError(f"tokens_per_chunk must be at least 1, got {tokens_per_chunk}")
+        self.vocab: Vocabulary = vocab or ByteVocabulary()
+        self.eos_every = eos_every
+        self.tokens_per_chunk = tokens_per_chunk
+
+    def _ends(self, state: int, tail: bytes, ignore_eos: bool) -> bool:
+        return (self.eos_every > 0 and not ignore_eos and not tail
+                and (state >> 20) % self.eos_every == 0)
+
+    def greedy(self, state: int, tail: bytes, ignore_eos: bool = False) -> int:
+        if self._ends(state, tail, ignore_eos):
+            return self.vocab.eos_id
+        return self.vocab.choose(state, tail)
+
+    def ranked(self, state: int, tail: bytes, ignore_eos: bool = False) -> Ranked:
+        ranked = self.vocab.ranked(state, tail)
+        if self._ends(state, tail, ignore_eos):
+            eos = self.vocab.eos_id
+            others = tuple(t for t in ranked.tokens if t != eos)[:len(ranked.tokens) - 1]
+            return Ranked((eos, *others), ranked.logprobs)
+        return ranked
+
+    def chunk_tokens(self, state: int) -> int:
+        """How many tokens a step commits for a request (speculative decoding's accepted
+        drafts plus one), 1..tokens_per_chunk, from its context."""
+        return 1 + (state >> 33) % self.tokens_per_chunk
+
+    def reference(self, seed: int, prompt: list[int], max_tokens: int) -> list[int]:
+        """What any engine with this model and `seed` answers greedily for `prompt`."""
+        state, tail = context_state(seed, prompt), context_tail(self.vocab, prompt)
+        out: list[int] = []
+        for _ in range(max_tokens):
+            token = self.greedy(state, tail)
+            out.append(token)
+            if token == self.vocab.eos_id and self.eos_every:
+                break
+            state, tail = _advance(state, token), tail_after(self.vocab, tail, token)
+        return out
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    rng: random.Random | None = None  # seeded per request, or fresh randomness
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k per generated token (0: the chosen token only)
+
+    def pick(self, ranked: Ranked) -> int:
+        """Draw among the candidates from softmax(logprob / temperature)."""
+        assert self.rng is not None
+        weights = [math.exp((lp - ranked.logprobs[0]) / self.temperature)
+                   for lp in ranked.logprobs]
+        return self.rng.choices(ranked.tokens, weights)[0]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step committed for a request: its tokens (one chunk of a stream), each
+    position's distribution when logprobs were asked for, and why it finished, if it did."""
+
+    tokens: list[int]
+    ranked: list[Ranked] | None = None
+    finish_reason: str | None = None  # "length" | "stop"
+    stop_token: int | None = None  # the stop_token_ids member that ended it
+
+
 @dataclass(eq=False)
 class SimRequest:
     id: str
     prompt: list[int]
     max_tokens: int
-    emit: Callable[[int | None], None]  # a token, or None when finished
+    emit: Callable[[StepOutput | None], None]  # a step's tokens, or None when aborted
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     state: int = 0
     cancelled: bool = False
     chain: list[bytes] = field(default_factory=list)  # hashes of the full blocks computed
+    sampling: Sampling = field(default_factory=Sampling)
+    tail: bytes = b""  # the incomplete UTF-8 character the context ends with
+    finished: bool = False
 
     @property
     def context_len(self) -> int:
@@ -140,8 +240,10 @@ class SchedulerLimits:
 class Scheduler:
     """Continuous batching with chunked prefill (one chunk budget per step)."""
 
-    def __init__(self, seed: int, cost: StepCost, limits: SchedulerLimits) -> None:
+    def __init__(self, seed: int, cost: StepCost, limits: SchedulerLimits,
+                 model: TokenModel | None = None) -> None:
         self.seed = seed
+        self.model = model or TokenModel()
         self.cost = cost
         self.limits = limits
         self.waiting: deque[SimRequest] = deque()
@@ -154,6 +256,7 @@ class Scheduler:
 
     def add(self, request: SimRequest) -> None:
         request.state = context_state(self.seed, request.prompt)
+        request.tail = context_tail(self.model.vocab, request.prompt)
         self.waiting.append(request)
 
     @property
@@ -202,10 +305,12 @@ class Scheduler:
 
     def end_step(self, decoding: list[SimRequest],
                  drafts: Mapping[str, Sequence[int]] | None = None) -> None:
-        """Commit each request's next token; with `drafts` (tokens proposed after a
-        request's context), also every drafted token that matches the target's, up to the
-        first that does not: the longest matching prefix plus one token of the target's
-        own, as speculative decoding verifies them. The output is the same either way."""
+        """Commit each request's next tokens: one, or up to the model's tokens per chunk;
+        with `drafts` (tokens proposed after a request's context), also every drafted
+        token that matches the target's, up to the first that does not: the longest
+        matching prefix plus one token of the target's own, as speculative decoding
+        verifies them. The output is the same either way; a step's tokens are one
+        `StepOutput` (one streamed chunk)."""
         for r in decoding:
             if r.cancelled:
                 continue
@@ -213,28 +318,56 @@ class Scheduler:
             # Tokens past max_tokens are never verified (nor counted as drafted).
             proposal = proposal[:max(0, r.max_tokens - len(r.output) - 1)]
             self.drafted_tokens += len(proposal)
-            matched = 0
-            while True:
-                token = next_token(r.state)
-                r.state = _advance(r.state, token)
-                r.output.append(token)
-                self.tokens_generated += 1
-                r.emit(token)
-                if len(r.output) >= r.max_tokens:
-                    r.emit(None)
-                    break
-                if matched < len(proposal) and proposal[matched] == token:
-                    matched += 1
-                    continue
-                break
-            self.accepted_tokens += matched
-        self.running = [r for r in self.running
-                        if len(r.output) < r.max_tokens and not r.cancelled]
+            self._commit(r, proposal)
+        self.running = [r for r in self.running if not r.finished and not r.cancelled]
         self.steps += 1
+
+    def _commit(self, r: SimRequest, proposal: Sequence[int]) -> None:
+        vocab, sampling = self.model.vocab, r.sampling
+        budget = self.model.chunk_tokens(r.state)
+        tokens: list[int] = []
+        ranks: list[Ranked] | None = [] if sampling.logprobs is not None else None
+        finish: str | None = None
+        stop_token: int | None = None
+        matched = 0
+        while True:
+            ranked = None
+            if ranks is not None or sampling.temperature > 0:
+                ranked = self.model.ranked(r.state, r.tail, sampling.ignore_eos)
+            if sampling.temperature > 0:
+                assert ranked is not None
+                token = sampling.pick(ranked)
+            else:
+                token = self.model.greedy(r.state, r.tail, sampling.ignore_eos)
+            r.state = _advance(r.state, token)
+            r.tail = tail_after(vocab, r.tail, token)
+            r.output.append(token)
+            tokens.append(token)
+            if ranks is not None and ranked is not None:
+                ranks.append(ranked)
+            self.tokens_generated += 1
+            if token in sampling.stop_token_ids:
+                finish, stop_token = "stop", token
+            elif token == vocab.eos_id and not sampling.ignore_eos:
+                finish = "stop"
+            elif len(r.output) >= r.max_tokens:
+                finish = "length"
+            if finish is not None:
+                break
+            if matched < len(proposal) and proposal[matched] == token:
+                matched += 1
+                continue
+            if len(tokens) < budget and not proposal:
+                continue
+            break
+        self.accepted_tokens += matched
+        r.finished = finish is not None
+        r.emit(StepOutput(tokens, ranks, finish, stop_token))
 
 
 def reference_completion(seed: int, prompt: list[int], max_tokens: int) -> list[int]:
-    """What any sim engine with `seed` answers for `prompt`: the check for resumed streams."""
+    """What any sim engine with `seed` and the default vocabulary answers for `prompt`:
+    the check for resumed streams (`TokenModel.reference` for the others)."""
     state = context_state(seed, prompt)
     out = []
     for _ in range(max_tokens):

@@ -8,6 +8,16 @@ completions with 503 at once, so a caller moves on to the active engine without 
 
     python -m lumend.engine.sim_server --engine-id w0/0 --port 8100 --model sim-small \
         --gms-socket /run/lumen/w0/gms.sock --failover-lock /run/lumen/w0/failover.lock
+
+The OpenAI surface (`sim_openai`, `sim_responses`) follows vLLM 0.32, `return_token_ids`
+included. Model options, each with an environment default (so engines started by lumend
+take them from its environment, or from a worker's `args`):
+  --tokenizer byte|bpe      LUMEN_SIM_TOKENIZER      (byte: one ASCII byte per token)
+  --tokens-per-chunk K      LUMEN_SIM_TOKENS_PER_CHUNK  (1..K tokens per streamed chunk)
+  --eos-every N             LUMEN_SIM_EOS_EVERY      (greedy EOS about once per N tokens;
+                                                      0: only stop_token_ids end early)
+  --max-model-len L         LUMEN_SIM_MAX_MODEL_LEN  (131072, a 128k context: existing
+                                                      callers ask for up to 100k tokens)
 """
 
 from __future__ import annotations
@@ -28,9 +38,20 @@ from aiohttp import web
 
 from lumend.assist.attach import AssistState, AttachError, AttachRequest
 from lumend.checkpoint.security import KeyFileError, client_keys_from_env
-from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer, parse_plan
-from lumend.engine.sim_core import Scheduler, SimRequest, SleepState, decode, encode
+from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer
+from lumend.engine.sim_core import (
+    Sampling,
+    Scheduler,
+    SimRequest,
+    SleepState,
+    StepOutput,
+    TokenModel,
+)
+from lumend.engine.sim_detokenizer import OutputText
 from lumend.engine.sim_models import MiB, SimModel, sim_model
+from lumend.engine.sim_openai import BadRequest, Generation, parse
+from lumend.engine.sim_responses import Position, Responses
+from lumend.engine.sim_tokenizer import VOCABULARIES, decode, vocabulary
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 from lumend.gms.client import GmsClient, GmsError
@@ -49,13 +70,19 @@ class EngineOptions:
     time_scale: float
     gms_socket: str | None
     failover_lock: str | None
+    tokenizer: str = "byte"
+    tokens_per_chunk: int = 1
+    eos_every: int = 0
+    max_model_len: int = 131072
 
 
 class SimEngine:
     def __init__(self, opts: EngineOptions) -> None:
         self.opts = opts
         self.state = "initialising"
-        self.scheduler = Scheduler(opts.seed, opts.model.cost, opts.model.limits)
+        self.model = TokenModel(vocabulary(opts.tokenizer), opts.eos_every,
+                                opts.tokens_per_chunk)
+        self.scheduler = Scheduler(opts.seed, opts.model.cost, opts.model.limits, self.model)
         self.weights_source = ""
         self.weights_seconds = 0.0
         self.started_at = time.time()
@@ -249,7 +276,7 @@ class SimEngine:
                 counters.accepted_tokens += s.accepted_tokens - accepted
                 await attachment.finished(r.id for r in s.running)
             for request, plan in list(self.saving.values()):
-                if request.cancelled or len(request.output) >= request.max_tokens:
+                if request.cancelled or request.finished:
                     del self.saving[request.id]
                 else:
                     self.checkpointer.save_new_blocks(request, plan)
@@ -261,11 +288,12 @@ class SimEngine:
 
     def submit(self, prompt: list[int], max_tokens: int, *, restored: int = 0,
                plan: CheckpointPlan | None = None, request_id: str | None = None,
-               ) -> tuple[SimRequest, asyncio.Queue[int | None]]:
-        queue: asyncio.Queue[int | None] = asyncio.Queue()
+               sampling: Sampling | None = None,
+               ) -> tuple[SimRequest, asyncio.Queue[StepOutput | None]]:
+        queue: asyncio.Queue[StepOutput | None] = asyncio.Queue()
         request = SimRequest(id=request_id or uuid.uuid4().hex, prompt=prompt,
-                             max_tokens=max_tokens,
-                             emit=queue.put_nowait, prefilled=restored)
+                             max_tokens=max_tokens, emit=queue.put_nowait,
+                             prefilled=restored, sampling=sampling or Sampling())
         if plan is not None and plan.mode == "save":
             self.saving[request.id] = (request, plan)
         self.scheduler.add(request)
@@ -419,8 +447,39 @@ def build_app(engine: SimEngine) -> web.Application:
 
     @routes.get("/v1/models")
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": opts.model.name, "object": "model", "owned_by": "lumen-sim"}]})
+        created = int(engine.started_at)
+        return web.json_response({"object": "list", "data": [{
+            "id": opts.model.name, "object": "model", "created": created,
+            "owned_by": "lumen-sim", "root": opts.model.name, "parent": None,
+            "max_model_len": opts.max_model_len, "permission": []}]})
+
+    @routes.post("/tokenize")
+    async def tokenize(request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt, or chat messages rendered with the sim template."""
+        try:
+            body = await request.json()
+            chat = isinstance(body, dict) and "messages" in body
+            gen = parse({**body, "max_tokens": 1} if isinstance(body, dict) else body, chat,
+                        engine.model.vocab, opts.max_model_len + 1)
+        except json.JSONDecodeError as exc:
+            return _bad_request(BadRequest(f"the body is not JSON: {exc}"))
+        except BadRequest as exc:
+            return _bad_request(exc)
+        return web.json_response({"count": len(gen.prompt), "max_model_len":
+                                  opts.max_model_len, "tokens": gen.prompt,
+                                  "token_strs": None})
+
+    @routes.post("/detokenize")
+    async def detokenize(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            tokens = body["tokens"]
+            if not all(isinstance(t, int) and 0 <= t < engine.model.vocab.size
+                       for t in tokens):
+                raise ValueError("tokens must be token ids of the vocabulary")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            return _bad_request(BadRequest(f"bad request: {exc}", "tokens"))
+        return web.json_response({"prompt": decode(engine.model.vocab, tokens)})
 
     async def completion(request: web.Request, chat: bool) -> web.StreamResponse:
         if engine.state != "active" or engine.memory.sleeping:
@@ -429,41 +488,37 @@ def build_app(engine: SimEngine) -> web.Application:
             return _error(503, f"engine {opts.engine_id} is {state}, not active; "
                           "send the request to the worker's active engine", "unavailable")
         try:
-            body = await request.json()
-            prompt = _prompt(body, chat)
-            max_tokens = int(body.get("max_tokens", 16))
-            if max_tokens < 1:
-                raise ValueError("max_tokens must be at least 1")
-            plan = parse_plan(body.get("kv_transfer_params"))
-        except (ValueError, TypeError, json.JSONDecodeError) as exc:
-            return _error(400, f"bad request: {exc}", "invalid_request_error")
+            gen = parse(await request.json(), chat, engine.model.vocab, opts.max_model_len)
+        except json.JSONDecodeError as exc:
+            return _bad_request(BadRequest(f"the body is not JSON: {exc}"))
+        except BadRequest as exc:
+            return _bad_request(exc)
+        plan = gen.plan
         restored = 0
         request_id = uuid.uuid4().hex  # also the checkpoint's owner while it runs here
         if plan is not None and plan.mode == "resume":
-            restored = await engine.checkpointer.restore(prompt, plan, request_id)
+            restored = await engine.checkpointer.restore(gen.prompt, plan, request_id)
         elif plan is not None:
             await engine.checkpointer.connect(plan)
-        sim_request, queue = engine.submit(prompt, max_tokens, restored=restored, plan=plan,
-                                           request_id=request_id)
-        rid = ("chatcmpl-" if chat else "cmpl-") + sim_request.id
+        sim_request, queue = engine.submit(gen.prompt, gen.max_tokens, restored=restored,
+                                           plan=plan, request_id=request_id,
+                                           sampling=gen.sampling)
+        responses = Responses(gen, engine.model, opts.seed, opts.model.name,
+                              ("chatcmpl-" if chat else "cmpl-") + sim_request.id)
+        output = _Output(gen, engine.model, sim_request, queue)
         try:
-            if body.get("stream"):
-                return await _stream(request, rid, chat, opts.model.name, queue)
-            tokens = [t async for t in _tokens(queue)]
+            if gen.stream:
+                return await _stream(request, responses, output)
+            async for _ in output.steps():
+                pass
         finally:
-            sim_request.cancelled = len(sim_request.output) < max_tokens
+            sim_request.cancelled = not sim_request.finished
             if plan is not None:  # the request is over: its checkpoint is not needed
                 engine.background(engine.checkpointer.finish(plan, sim_request.id))
-        text = decode(tokens)
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": "length"} if chat else
-                                  {"index": 0, "text": text, "finish_reason": "length"})
-        return web.json_response({
-            "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": opts.model.name, "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                      "total_tokens": len(prompt) + len(tokens)},
-        })
+        whole = responses.chat if chat else responses.completion
+        return web.json_response(whole(output.tokens, output.positions, output.text.text,
+                                       output.finish, output.stop_reason),
+                                 dumps=_dumps)
 
     @routes.post("/v1/completions")
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -478,47 +533,82 @@ def build_app(engine: SimEngine) -> web.Application:
     return app
 
 
-def _prompt(body: Any, chat: bool) -> list[int]:
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        if body.get("continue_final_message") and messages[-1].get("role") == "assistant":
-            # Continue the assistant's partial answer: the same rendering as the request
-            # that produced it, plus the partial text (how the gateway resumes a chat).
-            head = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
-            return encode(head + "assistant: " + messages[-1]["content"])
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return encode(text)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
-        return encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    raise ValueError("prompt must be a non-empty string or list of token ids")
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-async def _tokens(queue: asyncio.Queue[int | None]) -> AsyncIterator[int]:
-    while (token := await queue.get()) is not None:
-        yield token
+def _bad_request(exc: BadRequest) -> web.Response:
+    return web.json_response(exc.body(), status=400, dumps=_dumps)
 
 
-async def _stream(request: web.Request, rid: str, chat: bool, model: str,
-                  queue: asyncio.Queue[int | None]) -> web.StreamResponse:
+class _Output:
+    """A request's steps turned into output: stop strings applied (vLLM's output
+    processor), tokens after the end dropped, the text held back as vLLM holds it."""
+
+    def __init__(self, gen: Generation, model: TokenModel, request: SimRequest,
+                 queue: asyncio.Queue[StepOutput | None]) -> None:
+        self.request = request
+        self.queue = queue
+        self.per_token = model.tokens_per_chunk == 1
+        self.text = OutputText(model.vocab, gen.prompt, gen.stop,
+                               gen.include_stop_str_in_output)
+        self.tokens: list[int] = []
+        self.positions: list[Position] | None = [] if gen.logprobs is not None else None
+        self.finish: str | None = None
+        self.stop_reason: int | str | None = None
+
+    async def steps(self) -> AsyncIterator[tuple[list[int], list[Position] | None, str]]:
+        """(tokens, their distributions, new text) per chunk, until the request ends."""
+        while self.finish is None and (step := await self.queue.get()) is not None:
+            for part in self._parts(step):
+                matched, kept = self.text.update(part.tokens, part.finish_reason == "stop")
+                tokens = part.tokens[:kept]
+                positions: list[Position] | None = (
+                    None if part.ranked is None else list(part.ranked[:kept]))
+                self.finish, self.stop_reason = part.finish_reason, part.stop_token
+                if matched is not None:
+                    self.finish, self.stop_reason = "stop", matched
+                    self.request.cancelled = True  # the engine stops generating
+                    self.request.finished = True
+                self.tokens += tokens
+                if self.positions is not None and positions is not None:
+                    self.positions += positions
+                yield tokens, positions, self.text.delta(self.finish is not None)
+                if self.finish is not None:
+                    break
+
+    def _parts(self, step: StepOutput) -> list[StepOutput]:
+        """One chunk per token unless the engine streams multi-token chunks: a step that
+        verified drafted tokens then still streams them one by one."""
+        if not self.per_token or len(step.tokens) == 1:
+            return [step]
+        last = len(step.tokens) - 1
+        return [StepOutput([token], None if step.ranked is None else [step.ranked[i]],
+                           step.finish_reason if i == last else None,
+                           step.stop_token if i == last else None)
+                for i, token in enumerate(step.tokens)]
+
+
+async def _stream(request: web.Request, responses: Responses, output: _Output,
+                  ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
-    created = int(time.time())
-    async for token in _tokens(queue):
-        piece = decode([token])
-        choice: dict[str, Any] = ({"index": 0, "delta": {"content": piece},
-                                   "finish_reason": None} if chat else
-                                  {"index": 0, "text": piece, "finish_reason": None})
-        chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                 "created": created, "model": model, "choices": [choice]}
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+    async def send(chunk: dict[str, Any]) -> None:
+        await response.write(f"data: {_dumps(chunk)}\n\n".encode())
+
+    chat = responses.gen.chat
+    build = responses.chat_chunk if chat else responses.completion_chunk
+    opened = False
+    async for tokens, positions, text in output.steps():
+        if chat and not opened:
+            for chunk in responses.chat_opening():
+                await send(chunk)
+            opened = True
+        await send(build(tokens, positions, text, output.finish, output.stop_reason))
+    if responses.gen.include_usage:
+        await send(responses.usage_chunk())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -547,7 +637,26 @@ def main() -> None:
     parser.add_argument("--gms-socket")
     parser.add_argument("--failover-lock")
     parser.add_argument("--log-level", default="INFO")
+    env = os.environ.get
+    parser.add_argument("--tokenizer", choices=VOCABULARIES,
+                        default=env("LUMEN_SIM_TOKENIZER", "byte"),
+                        help="byte: one printable byte per token; bpe: byte-level BPE-like, "
+                        "multi-byte text, non-canonical token sequences")
+    parser.add_argument("--tokens-per-chunk", type=int,
+                        default=int(env("LUMEN_SIM_TOKENS_PER_CHUNK", "1")),
+                        help="each streamed chunk carries 1..K tokens (speculative decoding)")
+    parser.add_argument("--eos-every", type=int, default=int(env("LUMEN_SIM_EOS_EVERY", "0")),
+                        help="greedy generation ends with EOS about once per N tokens "
+                        "(0: never; stop_token_ids still end a request)")
+    parser.add_argument("--max-model-len", type=int,
+                        default=int(env("LUMEN_SIM_MAX_MODEL_LEN", "131072")))
     args = parser.parse_args()
+    if args.tokenizer not in VOCABULARIES:
+        parser.error(f"--tokenizer (or LUMEN_SIM_TOKENIZER) must be one of "
+                     f"{', '.join(VOCABULARIES)}, got {args.tokenizer!r}")
+    if args.tokens_per_chunk < 1 or args.eos_every < 0 or args.max_model_len < 2:
+        parser.error("--tokens-per-chunk must be at least 1, --eos-every 0 or more and "
+                     "--max-model-len at least 2 (or their LUMEN_SIM_* variables)")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -558,7 +667,9 @@ def main() -> None:
         asyncio.run(serve(EngineOptions(
             engine_id=args.engine_id, host=args.host, port=args.port, model=model,
             seed=args.seed, time_scale=args.time_scale, gms_socket=args.gms_socket,
-            failover_lock=args.failover_lock,
+            failover_lock=args.failover_lock, tokenizer=args.tokenizer,
+            tokens_per_chunk=args.tokens_per_chunk, eos_every=args.eos_every,
+            max_model_len=args.max_model_len,
         )))
     except KeyFileError as exc:
         parser.exit(2, f"sim engine {args.engine_id}: {exc}\n")
