@@ -10,6 +10,14 @@ streams the prefix's blocks to the holder; then, alternately, time to first toke
 plan) and (b) resumed from the holder (LOOKUP, GET of each block, then the last token
 computed). The external prefix-cache hit counter is read to show what was loaded.
 The prefixes are capped by --max-model-len. Prints a table; asserts nothing.
+
+    .venv/bin/python bench/checkpoint_vllm.py --pages [--blocks 64] [--threads 1]
+
+LumenConnector's pages without an engine (CPU), side by side in one run, at the tests' tiny
+Llama and at Llama-3-70B TP4: saving and loading blocks/s through a real holder for pages
+of one layer each (the issue's framing), pages of a block with the copies and serial GETs of
+the connector before page format 2, and the batched copies with windowed GETs it uses now
+(copy and wire columns separately: the connector does them one after the other).
 """
 
 from __future__ import annotations
@@ -96,12 +104,101 @@ def metric(url: str, name: str) -> float:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+def wire_seconds(endpoint: str, pages: list[bytes], name: str, *, windowed: bool
+                 ) -> tuple[float, float, int]:
+    """(save s, load s, pages lost) for these pages through one holder: every PUT until its
+    ACK, then every page back (serial GETs, or GETs 64 in flight)."""
+    from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+
+    layout = PageLayout(model="bench", layout_fingerprint=name, dtype="uint8",
+                        page_shape=(len(pages[0]),))
+    streamer = CheckpointStreamer(endpoint, layout, sndhwm=len(pages) + 64)
+    try:
+        assert streamer.wait_connected(10), "the holder did not connect"
+        hashes = [f"{name}-{i}".encode() for i in range(len(pages))]
+        started = time.perf_counter()
+        for i, page in enumerate(pages):
+            streamer.put_block(ckpt_id=name, request_id=name, worker="h0", block_index=i,
+                               block_hash=hashes[i], page=page, token_count=i + 1)
+        progress = streamer.wait_acks(name, 120)
+        saved = time.perf_counter() - started
+        started = time.perf_counter()
+        if windowed:
+            got = len(streamer.get_many(name, hashes, window=64, timeout_s=10))
+        else:
+            got = sum(streamer.get(name, h, timeout_s=10) is not None for h in hashes)
+        loaded = time.perf_counter() - started
+        streamer.finish(name, name)
+        return saved, loaded, len(pages) - min(progress.reached, got)
+    finally:
+        streamer.close()
+
+
+def pages_bench(blocks: int, threads: int) -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    from page_copy import (  # type: ignore[import-not-found, unused-ignore]
+        LLAMA70B_TP4,
+        TINY,
+        measure,
+    )
+
+    torch.set_num_threads(threads)
+    service, holder_done = start_holder()
+    rows = []
+    try:
+        for label, shape in (("tiny Llama", TINY), ("Llama-3-70B TP4", LLAMA70B_TP4)):
+            copy = measure(shape, torch.device("cpu"), blocks=blocks, repeats=3)
+            page, layer = copy["page_bytes"], copy["layer_block_bytes"]
+            per_layer = [os.urandom(layer) for _ in range(blocks * shape["layers"])]
+            per_block = [os.urandom(page) for _ in range(blocks)]
+            wires = {
+                "layer": wire_seconds(service.endpoint, per_layer, f"{label}-layer",
+                                      windowed=False),
+                "block": wire_seconds(service.endpoint, per_block, f"{label}-block",
+                                      windowed=False),
+                "now": wire_seconds(service.endpoint, per_block, f"{label}-now",
+                                    windowed=True),
+            }
+            rate = copy["blocks_per_s"]
+            old_copy = (blocks / rate["old_save"], blocks / rate["old_load"])
+            new_copy = (blocks / rate["new_save"], blocks / rate["new_load"])
+            for path, wire, (copy_save, copy_load), size in (
+                    ("page per layer, serial GETs, per-block copies", wires["layer"],
+                     old_copy, layer),
+                    ("page per block, serial GETs, per-block copies", wires["block"],
+                     old_copy, page),
+                    ("page per block, 64 GETs in flight, batched copies", wires["now"],
+                     new_copy, page)):
+                rows.append((label, path, size, blocks / copy_save, blocks / wire[0],
+                             blocks / (copy_save + wire[0]), blocks / copy_load,
+                             blocks / wire[1], blocks / (copy_load + wire[1]), wire[2]))
+    finally:
+        holder_done.set()
+    print(f"\nLumenConnector pages on CPU ({threads} torch thread(s)), {blocks} blocks, one "
+          "holder on loopback; blocks/s (copy = KV cache <-> host, wire = holder round trips)")
+    print(f"{'model':<16} {'path':<50} {'page B':>8} {'save copy':>10} {'save wire':>10} "
+          f"{'save':>8} {'load copy':>10} {'load wire':>10} {'load':>8} {'lost':>5}")
+    for label, path, size, *rates, lost in rows:
+        cells = " ".join(f"{r:>{w}.0f}" for r, w in zip(rates, (10, 10, 8, 10, 10, 8),
+                                                          strict=True))
+        print(f"{label:<16} {path:<50} {size:>8} {cells} {lost:>5}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefixes", default="1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=16448)
+    parser.add_argument("--pages", action="store_true",
+                        help="the page copy and wire table (no engine)")
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.pages:
+        pages_bench(args.blocks, args.threads)
+        return
     prefixes = [int(p) for p in args.prefixes.split(",") if int(p) < args.max_model_len]
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -71,7 +71,10 @@ log = logging.getLogger("vllm.lumen_connector")
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 LOOKUP_TIMEOUT_S = 0.5
 GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
-GET_WINDOW = 64  # GETs in flight at once while a resume fetches its pages
+# GETs in flight while a resume fetches its pages: enough to hide a network round trip,
+# few enough that the replies in flight stay within GET_WINDOW_BYTES.
+GET_WINDOW = 64
+GET_WINDOW_BYTES = 16 << 20
 CONNECT_TIMEOUT_S = 1.0
 IN_FLIGHT_MIB = 256  # per engine rank; kv_connector_extra_config {"in_flight_mib": N}
 
@@ -364,7 +367,9 @@ class LumenConnector(KVConnectorBase_V1):
         after it are recomputed (kv_load_failure_policy=recompute)."""
         streamer = self._streamer(load.plan.holder, layout)
         fetched = streamer.get_many(load.plan.ckpt_id, load.block_hashes,
-                                    window=GET_WINDOW, timeout_s=GET_TIMEOUT_S)
+                                    window=max(4, min(GET_WINDOW, GET_WINDOW_BYTES //
+                                                      layout.page_nbytes)),
+                                    timeout_s=GET_TIMEOUT_S)
         usable = 0
         while usable < len(fetched) and fetched[usable].data.nbytes == layout.page_nbytes:
             usable += 1
