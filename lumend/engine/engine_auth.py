@@ -23,7 +23,10 @@ TOKEN_ENV = "LUMEN_ENGINE_TOKEN"
 TOKEN_HEADER = "X-Lumen-Engine-Token"
 
 # Paths anyone who reaches the port may use (what gateways, probes and Prometheus need).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/load"})
+# /tokenize and /detokenize change nothing; the gateway finds a clean resume point with
+# /detokenize (lumend/gateway/server.py).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/load", "/tokenize",
+                        "/detokenize"})
 # Read-only LUMEN paths lumend polls (GET only: their other methods act on the engine).
 OPEN_FOR_GET = frozenset({"/lumen/engine", "/lumen/assist"})
 # Under /v1/ but not inference: they change what the engine serves.
