@@ -55,47 +55,72 @@ class DecodeStream:
 
 
 class OutputText:
+    """Built in pieces: a stop string is searched for in the text's last characters only,
+    and the text is joined once, so a stream of any length costs the same per token."""
+
     def __init__(self, vocab: Vocabulary, prompt: Sequence[int], stop: Sequence[str],
                  include_stop_str_in_output: bool = False) -> None:
         self.stream = DecodeStream(vocab, prompt)
         self.stop = list(stop)
         self.include_stop = include_stop_str_in_output
         self.hold_back = max(len(s) for s in stop) - 1 if stop and not self.include_stop else 0
-        self.text = ""
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._pieces: list[str] = []
+        self._length = 0
+        self._recent = ""  # the text's last characters, where a new stop string can start
+        self._unsent = ""
         self._sent = 0
+
+    @property
+    def text(self) -> str:
+        joined = "".join(self._pieces)
+        self._pieces = [joined]
+        return joined
 
     def update(self, tokens: Sequence[int], stop_terminated: bool) -> tuple[str | None, int]:
         """Add a step's tokens; returns (the stop string matched or None, how many of the
         tokens to keep). A stop token's own text is never added, as in vLLM."""
         decoded = list(tokens[:-1]) if stop_terminated else list(tokens)
-        offsets = [len(self.text)]
+        offsets = [self._length]
+        new = []
         for token in decoded:
-            self.text += self.stream.step(token)
-            offsets.append(len(self.text))
+            piece = self.stream.step(token)
+            if piece:
+                new.append(piece)
+                self._length += len(piece)
+            offsets.append(self._length)
         if stop_terminated:
-            offsets.append(len(self.text))
+            offsets.append(self._length)
+        fresh = "".join(new)
+        self._pieces.append(fresh)
+        self._unsent += fresh
         if not self.stop:
             return None, len(tokens)
-        found = _find_stop(self.text, len(self.text) - offsets[0], self.stop,
-                           self.include_stop)
+        window = self._recent + fresh
+        self._recent = window[-self._longest_stop:]
+        found = _find_stop(window, len(fresh), self.stop, self.include_stop)
         if found is None:
             return None, len(tokens)
         stop, truncate_to = found
-        end = len(self.text) if truncate_to == -1 else truncate_to
+        start = self._length - len(window)  # where the window starts in the whole text
+        end = self._length if truncate_to == -1 else start + truncate_to
         if not self.include_stop:
             end += len(stop)
         kept = bisect.bisect_left(offsets, end, lo=1)
         if truncate_to != -1:
-            self.text = self.text[:truncate_to]
+            cut = start + truncate_to
+            self._pieces = [self.text[:cut]]
+            self._unsent = self._unsent[:cut - self._sent]
+            self._length = cut
         return stop, kept
 
     def delta(self, finished: bool) -> str:
         """New text to send now: all of it once finished, else all but the hold-back."""
-        length = len(self.text) - (0 if finished else self.hold_back)
-        if self._sent >= length:
+        ready = self._length - (0 if finished else self.hold_back) - self._sent
+        if ready <= 0:
             return ""
-        piece = self.text[self._sent:length]
-        self._sent = length
+        piece, self._unsent = self._unsent[:ready], self._unsent[ready:]
+        self._sent += ready
         return piece
 
 
