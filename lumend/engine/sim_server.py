@@ -624,6 +624,52 @@ async def serve(opts: EngineOptions) -> None:
     await asyncio.gather(engine.run(), engine.batch_loop())
 
 
+MODEL_OPTIONS = {  # option: (environment variable, default)
+    "tokenizer": ("LUMEN_SIM_TOKENIZER", "byte"),
+    "tokens_per_chunk": ("LUMEN_SIM_TOKENS_PER_CHUNK", "1"),
+    "eos_every": ("LUMEN_SIM_EOS_EVERY", "0"),
+    "max_model_len": ("LUMEN_SIM_MAX_MODEL_LEN", "131072"),
+}
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    """The model's options; each defaults to its environment variable, so engines that
+    lumend starts take them from its environment (or from a worker's `args`)."""
+
+    def default(option: str) -> str:
+        name, value = MODEL_OPTIONS[option]
+        return os.environ.get(name, value)
+
+    parser.add_argument("--tokenizer", default=default("tokenizer"),
+                        help="byte: one printable byte per token; bpe: byte-level BPE-like, "
+                        "multi-byte text, non-canonical token sequences ($LUMEN_SIM_TOKENIZER)")
+    # String defaults go through `type`: a bad variable is reported like a bad option.
+    parser.add_argument("--tokens-per-chunk", type=int, default=default("tokens_per_chunk"),
+                        help="each streamed chunk carries 1..K tokens, as with speculative "
+                        "decoding ($LUMEN_SIM_TOKENS_PER_CHUNK)")
+    parser.add_argument("--eos-every", type=int, default=default("eos_every"),
+                        help="greedy generation ends with EOS about once per N tokens; 0: "
+                        "never, only stop_token_ids end a request early ($LUMEN_SIM_EOS_EVERY)")
+    parser.add_argument("--max-model-len", type=int, default=default("max_model_len"),
+                        help="the context length ($LUMEN_SIM_MAX_MODEL_LEN)")
+
+
+def _check_model_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    def bad(option: str, rule: str) -> None:
+        name = MODEL_OPTIONS[option][0]
+        parser.error(f"--{option.replace('_', '-')} (or {name}) {rule}, got "
+                     f"{getattr(args, option)!r}")
+
+    if args.tokenizer not in VOCABULARIES:
+        bad("tokenizer", f"must be one of {', '.join(VOCABULARIES)}")
+    if args.tokens_per_chunk < 1:
+        bad("tokens_per_chunk", "must be at least 1")
+    if args.eos_every < 0:
+        bad("eos_every", "must be 0 (never) or more")
+    if args.max_model_len < 2:
+        bad("max_model_len", "must be at least 2")
+
+
 def main() -> None:
     die_with_supervisor()
     parser = argparse.ArgumentParser(description="LUMEN sim engine")
@@ -637,26 +683,9 @@ def main() -> None:
     parser.add_argument("--gms-socket")
     parser.add_argument("--failover-lock")
     parser.add_argument("--log-level", default="INFO")
-    env = os.environ.get
-    parser.add_argument("--tokenizer", choices=VOCABULARIES,
-                        default=env("LUMEN_SIM_TOKENIZER", "byte"),
-                        help="byte: one printable byte per token; bpe: byte-level BPE-like, "
-                        "multi-byte text, non-canonical token sequences")
-    parser.add_argument("--tokens-per-chunk", type=int,
-                        default=int(env("LUMEN_SIM_TOKENS_PER_CHUNK", "1")),
-                        help="each streamed chunk carries 1..K tokens (speculative decoding)")
-    parser.add_argument("--eos-every", type=int, default=int(env("LUMEN_SIM_EOS_EVERY", "0")),
-                        help="greedy generation ends with EOS about once per N tokens "
-                        "(0: never; stop_token_ids still end a request)")
-    parser.add_argument("--max-model-len", type=int,
-                        default=int(env("LUMEN_SIM_MAX_MODEL_LEN", "131072")))
+    _model_options(parser)
     args = parser.parse_args()
-    if args.tokenizer not in VOCABULARIES:
-        parser.error(f"--tokenizer (or LUMEN_SIM_TOKENIZER) must be one of "
-                     f"{', '.join(VOCABULARIES)}, got {args.tokenizer!r}")
-    if args.tokens_per_chunk < 1 or args.eos_every < 0 or args.max_model_len < 2:
-        parser.error("--tokens-per-chunk must be at least 1, --eos-every 0 or more and "
-                     "--max-model-len at least 2 (or their LUMEN_SIM_* variables)")
+    _check_model_options(parser, args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

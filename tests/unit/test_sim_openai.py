@@ -6,6 +6,7 @@ and error bodies, stop strings and tokens, echo, usage, logprobs and seeded samp
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,8 +20,10 @@ from typing import Any
 import pytest
 
 from lumenctl.localcluster import free_ports, stop_process
-from lumend.engine.sim_core import TokenModel
+from lumend.checkpoint.holder import HolderConfig
+from lumend.engine.sim_core import BLOCK_SIZE, TokenModel, block_hashes
 from lumend.engine.sim_tokenizer import BpeVocabulary, decode, utf8_tail
+from tests.checkpoint.conftest import RunningHolder
 
 PROMPT = "stream résumé 你好 🚀 across failures"
 BPE = TokenModel(BpeVocabulary())
@@ -506,3 +509,94 @@ def test_byte_engine_keeps_one_byte_tokens(engines: Engines) -> None:
     assert reply["text"] == byte_decode(reply["token_ids"])
     assert e.tokens(reply["text"]) == reply["token_ids"]
     assert e.ok("/detokenize", {"tokens": reply["token_ids"]})["prompt"] == reply["text"]
+
+
+# -- checkpoints by token ids --------------------------------------------------------------
+
+
+@pytest.fixture
+def holder() -> Iterator[RunningHolder]:
+    running = RunningHolder(HolderConfig(listen="127.0.0.1:0", workers=("h0",),
+                                         budget_bytes=64 << 20, policy="lru")).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def metric(engine: Engine, name: str) -> float:
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_a_bpe_stream_resumed_by_ids_loads_its_checkpoint_and_by_text_would_not(
+        engines: Engines, holder: RunningHolder, tmp_path: Path) -> None:
+    def plan(mode: str) -> dict[str, Any]:
+        return {"lumen": {"ckpt_id": "bpe-1", "holder": holder.endpoint, "worker": "h0",
+                          "mode": mode}}
+
+    b = engines.bpe
+    prompt_ids = b.tokens(PROMPT)
+    reference = BPE.reference(0, prompt_ids, 120)
+    a = start_engine(tmp_path, "a", "--tokenizer", "bpe", "--tokens-per-chunk", "4",
+                     "--max-model-len", str(BPE_MAX_MODEL_LEN), "--time-scale", "1.0")
+    try:
+        wait_active(a)
+        body = {"prompt": PROMPT, "max_tokens": 120, "stream": True,
+                "return_token_ids": True, "kv_transfer_params": plan("save")}
+        request = urllib.request.Request(a.url + "/v1/completions",
+                                         data=json.dumps(body).encode())
+        received: list[int] = []
+        with urllib.request.urlopen(request, timeout=60) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    received += json.loads(line[6:])["choices"][0]["token_ids"]
+                if len(received) >= 60:
+                    a.proc.kill()
+                    break
+        a.proc.wait(timeout=10)
+    finally:
+        stop_process(a.proc)
+    assert received == reference[:len(received)]
+
+    # By text: the prompt re-encodes to other ids, so the chained block hashes part from
+    # the checkpoint's soon after the generated text starts: those would be recomputed.
+    by_text = block_hashes(0, b.tokens(PROMPT + decode(BPE.vocab, received)))
+    by_ids = block_hashes(0, prompt_ids + received)
+    common = next(i for i, (x, y) in enumerate(zip(by_text, by_ids, strict=False)) if x != y)
+    assert common < len(by_ids) - 2, (common, len(by_ids))
+
+    # By ids: the blocks are found, loaded, and the stream continues token for token.
+    restored = metric(b, "lumen_sim_restored_tokens_total")
+    left = 120 - len(received)
+    reply = b.ok("/v1/completions", {"prompt": prompt_ids + received, "max_tokens": left,
+                                     "return_token_ids": True,
+                                     "kv_transfer_params": plan("resume")})
+    assert received + reply["choices"][0]["token_ids"] == reference
+    assert metric(b, "lumen_sim_restored_tokens_total") - restored >= 2 * BLOCK_SIZE
+
+
+def test_block_hashes_take_ids_past_a_byte() -> None:
+    ids = BPE.vocab.encode("你好 " * 40)
+    assert max(ids) > 255
+    hashes = block_hashes(0, ids)
+    assert len(hashes) == len(ids) // BLOCK_SIZE
+    assert block_hashes(0, ids[:BLOCK_SIZE * 2]) == hashes[:2]
+    assert block_hashes(0, [ids[0] + 1, *ids[1:]])[1] != hashes[1], "chained"
+
+
+@pytest.mark.parametrize(("env", "args", "named"), [
+    ({"LUMEN_SIM_TOKENIZER": "wordpiece"}, [], "LUMEN_SIM_TOKENIZER"),
+    ({}, ["--tokens-per-chunk", "0"], "LUMEN_SIM_TOKENS_PER_CHUNK"),
+    ({}, ["--max-model-len", "1"], "LUMEN_SIM_MAX_MODEL_LEN"),
+])
+def test_bad_model_options_are_refused_by_name(env: dict[str, str], args: list[str],
+                                               named: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lumend.engine.sim_server", "--engine-id", "x", "--port", "1",
+         *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and named in done.stderr, done.stderr
