@@ -326,7 +326,13 @@ class Gateway:
                 continue
             if offered is not None and not progress.ids:
                 placement = offered  # nothing generated yet: the request starts afresh
-            plan = await self._plan(req, progress, target)
+            try:
+                plan = await self._plan(req, progress, target)
+            except EngineRefused as exc:  # not reachable: another worker, as for a start
+                log.info("request %s: %s", rid, exc)
+                exclude.add(target.worker)
+                broken_worker = routed = None
+                continue
             plan.apply(progress)
             if plan.resume:
                 self.counters.resumes += 1
@@ -440,7 +446,8 @@ class Gateway:
         """The engine request that (re)starts `req` on `target` given its progress."""
         if not progress.ids and not progress.again_ids and not progress.raw_text:
             return ResumePlan(path_of(req.chat), req.first_body())
-        if not req.guided and progress.prompt_ids is not None and progress.ids:
+        if (not req.guided and progress.prompt_ids is not None and progress.ids
+                and not progress.again_text):
             cut = await self._clean_cut(target, progress)
             if cut is not None:
                 return ResumePlan.by_cut(req, progress, cut)
@@ -473,12 +480,16 @@ class Gateway:
         return None
 
     async def _detokenize(self, target: Target, ids: list[int]) -> str | None:
+        """The text of `ids` by the target's tokenizer; None when its engines have no
+        /detokenize. Raises EngineRefused when none of them can be reached."""
         assert self._session is not None
+        reached = False
         for url in target.urls:
             try:
                 async with self._session.post(
                         url + "/detokenize", json={"model": target.model, "tokens": ids},
                         timeout=aiohttp.ClientTimeout(total=10.0)) as response:
+                    reached = True
                     if response.status != 200:
                         continue
                     answer = await response.json()
@@ -487,6 +498,8 @@ class Gateway:
             text = answer.get("prompt") if isinstance(answer, dict) else None
             if isinstance(text, str):
                 return text
+        if not reached:
+            raise EngineRefused(f"no engine of {target.worker} answered /detokenize")
         return None
 
     def _open(self, target: Target, path: str, body: dict[str, Any]) -> Upstream:
@@ -774,7 +787,7 @@ class ResumePlan:
         return cls(path_of(req.chat), req.first_body(), resume=True,
                    how=f"recomputed from the start ({why}), skipping what the client has",
                    keep=0, again_ids=[*progress.ids, *progress.again_ids],
-                   again_text=progress.raw_text)
+                   again_text=progress.raw_text + progress.again_text)
 
     def apply(self, progress: Progress) -> None:
         if self.keep is None:

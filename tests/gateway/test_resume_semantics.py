@@ -1,0 +1,339 @@
+"""Resume semantics through the gateway with sim engines that behave like real models: a
+byte-level BPE-like tokenizer (a character spans tokens, text re-encodes to other ids) and
+several tokens per chunk (speculative decoding). Also the gateway's limits and errors: an
+exhausted stream pool, an engine's 400, a stream broken long after it started, a slow first
+token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from lumenctl.localcluster import free_ports
+from lumend.cluster.view import ClusterView
+from lumend.config import WorkerConfig
+from lumend.engine.adapter import SimAdapter
+from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
+from lumend.gateway.server import Gateway, GatewayTiming
+
+BPE = ["--tokenizer", "bpe", "--tokens-per-chunk", "4", "--max-model-len", "400"]
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path, args: list[str], shadows: int = 0, workers: int = 2,
+                  timing: GatewayTiming | None = None
+                  ) -> AsyncIterator[tuple[Gateway, str, list[WorkerSupervisor]]]:
+    sups = []
+    for i in range(workers):
+        worker = WorkerConfig(name=f"w{i}", gpus=[i], engine="sim", shadows=shadows,
+                              model="sim-small", port=free_ports(1)[0], args=list(args))
+        sups.append(WorkerSupervisor("n", worker, SimAdapter(), runtime_dir=tmp_path / "run",
+                                     log_dir=tmp_path / "logs",
+                                     timing=SupervisorTiming(tick_s=0.05)))
+
+    def view() -> ClusterView:
+        return ClusterView(cluster="t", revision=0, workers={s.worker.name: s.record()
+                                                             for s in sups})
+
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(s.run(stop)) for s in sups]
+    gateway = Gateway(view, timing)
+    listen = f"127.0.0.1:{free_ports(1)[0]}"
+    await gateway.start(listen)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(s.worker_state() == "serving" and s.ready()
+                      and sum(x.state == "standby" for x in s.slots) == shadows for s in sups):
+            assert time.monotonic() < deadline, "workers did not come up"
+            await asyncio.sleep(0.05)
+        yield gateway, f"http://{listen}", sups
+    finally:
+        await gateway.stop()
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+async def call(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[str, Any],
+               seen: list[int] | None = None) -> dict[str, Any]:
+    """What a client gets: status, ids, text, token ids, usage, finish, errors."""
+    out: dict[str, Any] = {"ids": set(), "text": "", "token_ids": [], "usage": None,
+                           "finish": None, "errors": [], "prompt_ids": None, "chunks": 0,
+                           "logprobs": 0, "leaked": False}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with session.post(url + path, json=body) as r:
+        out["status"] = r.status
+        out["headers"] = dict(r.headers)
+        if r.status != 200:
+            out["errors"].append(await r.json())
+            return out
+        if not body.get("stream"):
+            doc = await r.json()
+            choice = doc["choices"][0]
+            out["ids"].add(doc["id"])
+            out["text"] = choice["message"]["content"] if chat else choice["text"]
+            out["token_ids"] = choice.get("token_ids") or []
+            out["usage"], out["finish"] = doc["usage"], choice["finish_reason"]
+            return out
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                out["errors"].append(chunk["error"])
+                continue
+            out["ids"].add(chunk["id"])
+            out["usage"] = chunk.get("usage") or out["usage"]
+            out["prompt_ids"] = chunk.get("prompt_token_ids") or out["prompt_ids"]
+            for choice in chunk["choices"]:
+                out["chunks"] += 1
+                out["text"] += (choice["delta"].get("content") or "") if chat else choice["text"]
+                if ("token_ids" in choice or "prompt_token_ids" in chunk
+                        or "prompt_token_ids" in choice) and not body.get("return_token_ids"):
+                    out["leaked"] = True
+                out["token_ids"] += choice.get("token_ids") or []
+                out["prompt_ids"] = choice.get("prompt_token_ids") or out["prompt_ids"]
+                out["finish"] = choice.get("finish_reason") or out["finish"]
+                if choice.get("logprobs"):
+                    lp = choice["logprobs"]
+                    out["logprobs"] += len(lp["content"] if chat else lp["tokens"])
+                if seen is not None:
+                    seen[0] += 1
+    return out
+
+
+CASES: list[tuple[str, bool, dict[str, Any]]] = [
+    ("completion", False, {"prompt": "東京は日本の首都です 😀", "max_tokens": 160, "stream": True,
+                           "return_token_ids": True}),
+    ("chat", True, {"messages": [{"role": "user", "content": "café résumé 🎉"}],
+                    "max_tokens": 160, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}}),
+    ("chat-plain", True, {"messages": [{"role": "user", "content": "Привет"}],
+                          "max_completion_tokens": 150, "stream": True}),
+    ("echo", False, {"prompt": "ñandú pingüino ", "max_tokens": 150, "stream": True,
+                     "echo": True, "stream_options": {"include_usage": True}}),
+    ("logprobs", False, {"prompt": "한국어 ", "max_tokens": 150, "stream": True, "logprobs": 2,
+                         "return_token_ids": True}),
+    ("chat-logprobs", True, {"messages": [{"role": "user", "content": "Grüße"}],
+                             "max_tokens": 150, "stream": True, "logprobs": True,
+                             "top_logprobs": 1}),
+]
+
+
+async def _test_bpe_streams_resume_token_identical_across_an_engine_kill(
+        tmp_path: Path) -> None:
+    async with cluster(tmp_path, [*BPE, "--time-scale", "2.0"]) as (gateway, base, sups), \
+            aiohttp.ClientSession() as session:
+        reference = {name: await call(session, base, chat, body) for name, chat, body in CASES}
+        late = reference["completion"]["text"]
+        stop = late[len(late) * 2 // 3:][:2]
+        stop_case = ("stop", False, {**CASES[0][2], "stop": [stop]})
+        reference["stop"] = await call(session, base, False, stop_case[2])
+        assert reference["stop"]["finish"] == "stop" and len(reference["stop"]["text"]) < len(
+            late), "the stop string did not stop the reference"
+        assert any(r["chunks"] < len(r["token_ids"]) for r in reference.values()), \
+            "no chunk carried several tokens"
+        for name, ref in reference.items():
+            assert ref["status"] == 200 and not ref["errors"], (name, ref)
+
+        cases = [*CASES, stop_case]
+        seen = [[0] for _ in cases]
+        tasks = [asyncio.create_task(call(session, base, chat, body, seen[i]))
+                 for i, (_, chat, body) in enumerate(cases)]
+        while min(s[0] for s in seen) < 12:
+            await asyncio.sleep(0.005)
+        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
+        active = next(s for s in victim.slots if s.state == "active")
+        assert active.proc is not None
+        os.kill(active.proc.pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+    assert gateway.counters.resumes >= 1, "no stream was interrupted: the test is void"
+    for (name, _, body), got in zip(cases, results, strict=True):
+        ref = reference[name]
+        assert got["status"] == 200 and not got["errors"], (name, got["errors"])
+        assert len(got["ids"]) == 1, name
+        assert not got["leaked"], f"{name}: token ids sent to a client that did not ask"
+        assert got["text"] == ref["text"], f"{name}: text differs after the kill"
+        assert got["token_ids"] == ref["token_ids"], f"{name}: ids differ after the kill"
+        assert got["usage"] == ref["usage"] and got["finish"] == ref["finish"], name
+        assert got["logprobs"] == ref["logprobs"], name
+        if name == "echo":
+            assert got["text"].count(body["prompt"]) == 1
+        if got["usage"] is not None:
+            assert got["usage"]["completion_tokens"] == (len(got["token_ids"]) or
+                                                         got["usage"]["completion_tokens"])
+
+
+async def _test_text_resume_is_not_an_id_resume_with_a_bpe_tokenizer(tmp_path: Path) -> None:
+    """The negative control of the test above: the old resume (the prompt text plus the text
+    already sent) continues from other token ids, and so diverges."""
+    async with cluster(tmp_path, BPE, workers=1) as (_, _base, sups), \
+            aiohttp.ClientSession() as session:
+        engine = sups[0].record().engines[0].url
+        body = {"prompt": "東京は日本の首都です 😀", "max_tokens": 120, "return_token_ids": True}
+        whole = await call(session, engine, False, body)
+        ids = whole["token_ids"]
+        async with session.post(engine + "/detokenize", json={"tokens": ids[:50]}) as r:
+            head = (await r.json())["prompt"]
+        by_text = await call(session, engine, False, {**body, "prompt": body["prompt"] + head,
+                                                      "max_tokens": 40})
+        async with session.post(engine + "/tokenize", json={"prompt": body["prompt"]}) as r:
+            prompt_ids = (await r.json())["tokens"]
+        by_ids = await call(session, engine, False, {**body, "prompt": prompt_ids + ids[:50],
+                                                     "max_tokens": 70})
+    assert by_ids["token_ids"] == ids[50:], "resuming after the ids must continue exactly"
+    assert by_text["token_ids"] != ids[50:90], "a text resume matched: the control is void"
+
+
+async def _test_no_max_tokens_returns_what_the_engine_returns(tmp_path: Path) -> None:
+    async with cluster(tmp_path, BPE, workers=1) as (_, base, sups), \
+            aiohttp.ClientSession() as session:
+        engine = sups[0].record().engines[0].url
+        body = {"messages": [{"role": "user", "content": "こんにちは"}], "return_token_ids": True}
+        direct = await call(session, engine, True, body)
+        via = await call(session, base, True, body)
+    assert direct["status"] == via["status"] == 200
+    assert len(via["token_ids"]) > 16, "cut at the gateway's old default of 16 tokens"
+    assert via["text"] == direct["text"] and via["token_ids"] == direct["token_ids"]
+
+
+async def _test_an_engine_400_reaches_the_client_with_its_status(tmp_path: Path) -> None:
+    async with cluster(tmp_path, BPE, workers=1) as (gateway, base, _), \
+            aiohttp.ClientSession() as session:
+        too_long = {"prompt": "mot " * 10, "max_tokens": 5000}
+        whole = await call(session, base, False, too_long)
+        streamed = await call(session, base, False, {**too_long, "stream": True})
+        fine = await call(session, base, False, {"prompt": "ok", "max_tokens": 5})
+    for got in (whole, streamed):
+        assert got["status"] == 400, got
+        error = got["errors"][0]["error"]
+        assert "max" in error["message"].lower() or "context" in error["message"].lower()
+    assert fine["status"] == 200, "the engine was marked failed by a client's error"
+    assert gateway.counters.engine_errors[400] == 2
+    assert gateway.counters.resumes == 0
+
+
+async def _test_an_exhausted_stream_pool_answers_503_with_retry_after(tmp_path: Path) -> None:
+    timing = GatewayTiming(max_streams=2)
+    async with cluster(tmp_path, ["--time-scale", "4.0"], workers=1, timing=timing) as (
+            gateway, base, _), aiohttp.ClientSession() as session:
+        body = {"prompt": "long one", "max_tokens": 200, "stream": True}
+        seen = [[0], [0]]
+        long = [asyncio.create_task(call(session, base, False, body, seen[i])) for i in (0, 1)]
+        while min(s[0] for s in seen) < 1:
+            await asyncio.sleep(0.01)
+        third = await call(session, base, False, {"prompt": "x", "max_tokens": 3})
+        for task in long:
+            task.cancel()
+        await asyncio.gather(*long, return_exceptions=True)
+        await asyncio.sleep(0.2)
+        after = await call(session, base, False, {"prompt": "x", "max_tokens": 3})
+    assert third["status"] == 503 and third["headers"].get("Retry-After") == "1", third
+    assert "max_streams" in third["errors"][0]["error"]["message"]
+    assert gateway.counters.rejected["pool_exhausted"] == 1
+    assert after["status"] == 200, "streams closed by their clients were not given back"
+
+
+async def _test_a_stream_broken_long_after_its_start_still_resumes(tmp_path: Path) -> None:
+    """The resume deadline runs from the failure: a stream older than it is still resumed."""
+    timing = GatewayTiming(recover_within_s=0.3)
+    args = ["--tokenizer", "bpe", "--tokens-per-chunk", "4", "--time-scale", "8.0"]
+    async with cluster(tmp_path, args, timing=timing) as (
+            gateway, base, sups), aiohttp.ClientSession() as session:
+        body = {"prompt": "un long récit", "max_tokens": 600, "stream": True,
+                "return_token_ids": True}
+        reference = await call(session, base, False, body)
+        seen = [0]
+        started = time.monotonic()
+        task = asyncio.create_task(call(session, base, False, body, seen))
+        while time.monotonic() - started < 4 * timing.recover_within_s:
+            await asyncio.sleep(0.05)
+        assert seen[0] and not task.done(), "the stream ended before the kill: make it longer"
+        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
+        active = next(s for s in victim.slots if s.state == "active")
+        assert active.proc is not None
+        os.kill(active.proc.pid, signal.SIGKILL)
+        got = await task
+    assert gateway.counters.resumes == 1
+    assert got["errors"] == [] and got["token_ids"] == reference["token_ids"]
+    assert got["text"] == reference["text"]
+
+
+async def _test_a_slow_first_token_is_not_a_failure(tmp_path: Path) -> None:
+    """A long prefill takes longer than the gap allowed between tokens: the first token has
+    its own, longer timeout. Control: with the short timeout for the first token too, the
+    same request is taken for a broken engine."""
+    prompt = "préfixe " * 40
+    for first_token_s, broken in ((30.0, False), (0.05, True)):
+        timing = GatewayTiming(first_token_s=first_token_s, token_deadline_s=0.05,
+                               recover_within_s=3.0)
+        async with cluster(tmp_path / str(first_token_s), [*BPE, "--time-scale", "20"],
+                           workers=1, timing=timing) as (gateway, base, _), \
+                aiohttp.ClientSession() as session:
+            got = await call(session, base, False, {"prompt": prompt, "max_tokens": 2})
+        if broken:
+            assert got["status"] != 200 or gateway.counters.resumes or gateway.counters.requests[
+                "failed"], "the control did not time out: the prefill is not slow enough"
+        else:
+            assert got["status"] == 200 and gateway.counters.resumes == 0, got
+            assert gateway.counters.requests["ok"] == 1
+
+
+async def _test_a_worker_with_a_shadow_continues_the_stream_itself(tmp_path: Path) -> None:
+    async with cluster(tmp_path, [*BPE, "--time-scale", "2.0"], shadows=1) as (
+            gateway, base, sups), aiohttp.ClientSession() as session:
+        body = {"prompt": "東京 résumé", "max_tokens": 150, "stream": True,
+                "return_token_ids": True}
+        reference = await call(session, base, False, body)
+        seen = [0]
+        task = asyncio.create_task(call(session, base, False, body, seen))
+        while seen[0] < 10:
+            await asyncio.sleep(0.005)
+        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
+        active = next(s for s in victim.slots if s.state == "active")
+        assert active.proc is not None
+        os.kill(active.proc.pid, signal.SIGKILL)
+        got = await task
+    assert gateway.counters.routed["shadow"] == 1, gateway.counters.routed
+    assert got["token_ids"] == reference["token_ids"] and got["text"] == reference["text"]
+
+
+def test_bpe_streams_resume_token_identical_across_an_engine_kill(tmp_path: Path) -> None:
+    asyncio.run(_test_bpe_streams_resume_token_identical_across_an_engine_kill(tmp_path))
+
+
+def test_text_resume_is_not_an_id_resume_with_a_bpe_tokenizer(tmp_path: Path) -> None:
+    asyncio.run(_test_text_resume_is_not_an_id_resume_with_a_bpe_tokenizer(tmp_path))
+
+
+def test_no_max_tokens_returns_what_the_engine_returns(tmp_path: Path) -> None:
+    asyncio.run(_test_no_max_tokens_returns_what_the_engine_returns(tmp_path))
+
+
+def test_an_engine_400_reaches_the_client_with_its_status(tmp_path: Path) -> None:
+    asyncio.run(_test_an_engine_400_reaches_the_client_with_its_status(tmp_path))
+
+
+def test_an_exhausted_stream_pool_answers_503_with_retry_after(tmp_path: Path) -> None:
+    asyncio.run(_test_an_exhausted_stream_pool_answers_503_with_retry_after(tmp_path))
+
+
+def test_a_stream_broken_long_after_its_start_still_resumes(tmp_path: Path) -> None:
+    asyncio.run(_test_a_stream_broken_long_after_its_start_still_resumes(tmp_path))
+
+
+def test_a_slow_first_token_is_not_a_failure(tmp_path: Path) -> None:
+    asyncio.run(_test_a_slow_first_token_is_not_a_failure(tmp_path))
+
+
+def test_a_worker_with_a_shadow_continues_the_stream_itself(tmp_path: Path) -> None:
+    asyncio.run(_test_a_worker_with_a_shadow_continues_the_stream_itself(tmp_path))
