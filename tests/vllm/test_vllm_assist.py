@@ -37,8 +37,13 @@ TOKENS = 32
 
 def http(method: str, url: str, body: Any = None, timeout: float = 120) -> Any:
     data = None if body is None else json.dumps(body).encode()
+    from lumend.engine.engine_auth import control_headers
+
+    # As lumend calls its engine: attach/detach are control paths the gate serves with
+    # the engine's token only.
     request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **control_headers("w0/0")})
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.load(r)
 
