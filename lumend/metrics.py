@@ -226,6 +226,23 @@ class GatewayCollector(Collector):
         for kind, n in sorted(c.rejected.items()):
             rejected.add_metric([kind], n)
         yield rejected
+        engine_errors = CounterMetricFamily(
+            "lumen_gateway_engine_errors", "Engine client errors (4xx) passed on to the "
+            "client with the engine's status; no worker is marked failed.", labels=["status"])
+        for status, n in sorted(c.engine_errors.items()):
+            engine_errors.add_metric([str(status)], n)
+        yield engine_errors
+        routed = CounterMetricFamily(
+            "lumen_gateway_routed", "Where interrupted streams went: resume (the holder's "
+            "worker, from its checkpoint), recompute, shadow (the worker's own shadow).",
+            labels=["decision"])
+        for decision, n in sorted(c.routed.items()):
+            routed.add_metric([decision], n)
+        yield routed
+        yield CounterMetricFamily(
+            "lumen_gateway_restarts", "Resumes recomputed from the request's start (guided "
+            "decoding, or no clean text boundary), skipping what the client had.",
+            value=c.restarts)
         keys = self._gateway.api_keys
         yield _gauge("lumen_gateway_api_keys", "API keys the gateway accepts; 0: none "
                      "configured, the API is open.", len(keys) if keys is not None else 0)
