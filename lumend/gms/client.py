@@ -31,6 +31,7 @@ from lumend.gms.protocol import (
 
 if TYPE_CHECKING:
     from lumend.gms.cuda_vmm import CudaDevice, DeviceMapping
+    from lumend.gms.host_vmm import HostMapping
 
 
 class GmsError(Exception):
@@ -131,8 +132,24 @@ class GmsClient:
         finally:
             os.close(fd)  # the imported handle keeps the memory
 
-    def remap_device(self, mapping: DeviceMapping) -> None:
-        """Map `mapping`'s allocation again at its reserved address (after an unmap)."""
+    def map_fixed(self, allocation: int) -> HostMapping:
+        """Map a host-backend allocation at an address that survives unmap/remap (the CPU
+        twin of map_device): read-write for the writer, PROT_READ for readers."""
+        from lumend.gms.host_vmm import HostMapping
+
+        if self.backend == "cuda":
+            raise GmsError(f"GMS at {self.path} holds GPU memory (cuda backend): map it with "
+                           "map_device(), not map_fixed()")
+        reply, fd = self.export(allocation)
+        try:
+            return HostMapping(allocation, int(reply["size"]), str(reply["tag"]), fd,
+                               writable=bool(reply["writable"]))
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+
+    def remap(self, mapping: DeviceMapping | HostMapping) -> None:
+        """Map `mapping`'s allocation again at its reserved address (after an unmap), with
+        the access this session is granted."""
         reply, fd = self.export(mapping.allocation)
         try:
             if int(reply["size"]) != mapping.size:
@@ -142,6 +159,8 @@ class GmsClient:
             mapping.remap(fd, writable=bool(reply["writable"]))
         finally:
             os.close(fd)
+
+    remap_device = remap
 
     def put_tensor(self, tensor: TensorMeta) -> None:
         self._call(PutTensor(id=self._id(), tensor=tensor))

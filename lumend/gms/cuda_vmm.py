@@ -49,21 +49,13 @@ def driver() -> Any:
     global _driver
     if _driver is not None:
         return _driver
-    try:
-        cu = importlib.import_module("cuda.bindings.driver")  # cuda-python 12.6 and newer
-    except ImportError:
-        try:
-            cu = importlib.import_module("cuda.cuda")  # older cuda-python 12.x
-        except ImportError as exc:
-            raise CudaUnavailable(
-                f"the GMS cuda backend needs cuda-python, which is not installed: "
-                f"{GPU_EXTRA_HINT}, or use the GMS backend 'host'") from exc
-        except (OSError, RuntimeError) as exc:
-            raise _no_driver(exc) from exc
+    cu = _import_bindings()
     try:
         (result,) = cu.cuInit(0)
     except (OSError, RuntimeError) as exc:  # libcuda.so.1 could not be loaded
         raise _no_driver(exc) from exc
+    except Exception as exc:  # bindings that load but do not work (wrong build)
+        raise _broken(exc) from exc
     if result != cu.CUresult.CUDA_SUCCESS:
         name, reason = _describe(cu, result)
         if name == "CUDA_ERROR_NO_DEVICE":
@@ -74,6 +66,33 @@ def driver() -> Any:
                               f"({reason}); check `nvidia-smi`, or use the GMS backend 'host'")
     _driver = cu
     return cu
+
+
+def _import_bindings() -> Any:
+    """cuda-python's driver bindings, or CudaUnavailable saying which fix applies."""
+    for module in ("cuda.bindings.driver", "cuda.cuda"):  # 12.6 and newer, then older 12.x
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module.startswith(exc.name):
+                continue  # this layout is not installed: try the other one
+            raise _broken(exc) from exc
+        except (OSError, RuntimeError) as exc:
+            raise _no_driver(exc) from exc
+        except Exception as exc:  # ImportError of a symbol, AttributeError, a bad build...
+            raise _broken(exc) from exc
+    raise CudaUnavailable(
+        f"the GMS cuda backend needs cuda-python, which is not installed: "
+        f"{GPU_EXTRA_HINT}, or use the GMS backend 'host'")
+
+
+def _broken(exc: BaseException) -> CudaUnavailable:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return CudaUnavailable(
+        f"cuda-python is installed but does not work here ({type(exc).__name__}: "
+        f"{first_line}); reinstall a build that matches this driver and Python: "
+        f"pip install --force-reinstall 'lumen[gpu]' (check `nvidia-smi` for the driver's "
+        f"CUDA version), or use the GMS backend 'host'")
 
 
 def _no_driver(exc: BaseException) -> CudaUnavailable:
@@ -140,13 +159,24 @@ class CudaDevice:
 
     def use_primary_context(self) -> None:
         """Make the device's primary context current on this thread (the one PyTorch
-        uses): needed for copies, not for creating, exporting or mapping memory."""
+        uses)."""
         if self._context is None:
             err, ctx = self.cu.cuDevicePrimaryCtxRetain(self._device)
             _check(self.cu, err, "cuDevicePrimaryCtxRetain")
             self._context = ctx
         (err,) = self.cu.cuCtxSetCurrent(self._context)
         _check(self.cu, err, "cuCtxSetCurrent")
+
+    def ensure_context(self) -> None:
+        """Make a context current on this thread unless one already is.
+
+        Reserving, mapping and setting access need a current context on some drivers
+        (vLLM's cumem allocator makes one current for the same reason); a fresh process or
+        a thread PyTorch never used has none. An existing context (PyTorch's) is kept."""
+        err, current = self.cu.cuCtxGetCurrent()
+        _check(self.cu, err, "cuCtxGetCurrent")
+        if current is None or int(current) == 0:
+            self.use_primary_context()
 
     # -- physical memory (server) ---------------------------------------------------------
 
@@ -179,25 +209,30 @@ class CudaDevice:
     def import_fd(self, fd: int) -> int:
         """A handle for the allocation behind `fd` (the fd stays open: the caller closes
         it)."""
+        self.ensure_context()
         err, handle = self.cu.cuMemImportFromShareableHandle(
             fd, self.cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         _check(self.cu, err, "cuMemImportFromShareableHandle")
         return int(handle)
 
     def reserve(self, size: int) -> int:
+        self.ensure_context()
         err, va = self.cu.cuMemAddressReserve(size, self.granularity(), 0, 0)
         _check(self.cu, err, f"cuMemAddressReserve({size})")
         return int(va)
 
     def free_address(self, va: int, size: int) -> None:
+        self.ensure_context()
         (err,) = self.cu.cuMemAddressFree(va, size)
         _check(self.cu, err, "cuMemAddressFree")
 
     def map(self, va: int, size: int, handle: int) -> None:
+        self.ensure_context()
         (err,) = self.cu.cuMemMap(va, size, 0, handle, 0)
         _check(self.cu, err, "cuMemMap")
 
     def set_access(self, va: int, size: int, writable: bool) -> None:
+        self.ensure_context()
         cu = self.cu
         desc = cu.CUmemAccessDesc()
         desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -208,6 +243,7 @@ class CudaDevice:
         _check(cu, err, "cuMemSetAccess")
 
     def unmap(self, va: int, size: int) -> None:
+        self.ensure_context()
         (err,) = self.cu.cuMemUnmap(va, size)
         _check(self.cu, err, "cuMemUnmap")
 
@@ -313,6 +349,14 @@ class DeviceMapping:
             self.device.release(handle)
             raise
         self._handle = handle
+
+    def set_access(self, writable: bool) -> None:
+        """Change this process's access (e.g. read-only once the writer has committed)."""
+        if self.state is not MapState.MAPPED:
+            raise RuntimeError(f"GMS device mapping: cannot set access while "
+                               f"{self.state.value}")
+        self.device.set_access(self.va, self.size, writable)
+        self.writable = writable
 
     def unmap(self) -> None:
         """Drop the physical memory from this process; the address range stays reserved."""

@@ -6,9 +6,12 @@ flat uint8 tensor over the mapped bytes (host: an mmap; cuda: a device mapping).
 the module's own (`layers.0.mlp.weight`); a tensor reachable under several names (tied
 weights) is stored once and re-attached as one object, so the tie survives.
 
-The writer copies chunk by chunk (each chunk its own GMS allocation) and re-points the
-module at the shared copy as it goes, so the private copy can be freed between chunks and
-the peak stays near the weights' size plus one chunk.
+The writer copies chunk by chunk (each chunk its own GMS allocation, allocated only when
+the previous one is done) and re-points the module's parameters at the shared copy as it
+goes, so their private copies are freed between chunks and the peak stays near the
+weights' size plus one chunk. Only parameters are shared: buffers and tensor attributes
+are published too, but every process (the writer included) computes with its own copy of
+them, so nothing an engine writes at run time lands in shared memory.
 """
 
 from __future__ import annotations
@@ -139,37 +142,62 @@ def view_of(base: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 def publish(client: Any, module: nn.Module, base_for: BaseFor, *, tag: str = "weights",
             chunk_bytes: int = CHUNK_BYTES,
             after_chunk: Callable[[], None] | None = None) -> int:
-    """Copy the module's tensors into GMS (the client must be the writer), re-point the
-    module at the shared copies, and describe them; the caller commits. Returns bytes."""
-    entries = collect(module)
-    plan = plan_chunks([e.nbytes for e in entries], chunk_bytes)
-    allocations = [client.allocate(tag, size)[0] for size in plan.chunk_sizes]
+    """Copy the module's tensors into GMS (the client must be the writer) and describe
+    them; the caller commits. Returns the bytes published.
+
+    One chunk at a time: allocate it, copy its tensors, re-point the module's parameters
+    at the shared copy and drop every reference to their private originals before the
+    next chunk is allocated, so the peak stays near the weights plus one chunk (call
+    `after_chunk`, e.g. `torch.cuda.empty_cache`, to hand the freed memory back).
+
+    Only parameters are re-pointed. Buffers and plain tensor attributes are published for
+    readers to clone, but the module keeps its own: vLLM writes into them (attention
+    scales, buffers restored after sleep), and shared memory is read-only once committed.
+    """
+    pending: list[Entry | None] = list(collect(module))
+    plan = plan_chunks([e.nbytes for e in pending if e is not None], chunk_bytes)
+    members: list[list[int]] = [[] for _ in plan.chunk_sizes]
+    for index, place in enumerate(plan.placements):
+        members[place.chunk].append(index)
     total = 0
-    for chunk, allocation in enumerate(allocations):
+    for chunk, indices in enumerate(members):
+        allocation, _ = client.allocate(tag, plan.chunk_sizes[chunk])
         base = base_for(allocation)
-        for entry, place in zip(entries, plan.placements, strict=True):
-            if place.chunk != chunk:
-                continue
-            t = entry.tensor
-            stride = None if t.is_contiguous() else list(t.stride())
-            first_name, first_kind = entry.names[0]
-            meta = TensorMeta(name=first_name, allocation=allocation, offset=place.offset,
-                              shape=list(t.shape), dtype=entry.dtype, stride=stride,
-                              kind=first_kind)
-            shared = view_of(base, meta)
-            with torch.no_grad():
-                shared.copy_(t)
-            _rebind(module, entry, shared)
-            for name, kind in entry.names:
-                client.put_tensor(TensorMeta(
-                    name=name, allocation=allocation, offset=place.offset,
-                    shape=list(t.shape), dtype=entry.dtype, stride=stride, kind=kind))
-            total += entry.nbytes
+        for index in indices:
+            entry, pending[index] = pending[index], None
+            assert entry is not None
+            total += _publish_entry(client, module, entry, base, allocation,
+                                    plan.placements[index].offset)
+            del entry  # the parameter's private original goes with the last reference
+        del base
         if after_chunk is not None:
-            after_chunk()  # e.g. torch.cuda.empty_cache(): the private copies are gone
-    log.info("published %d tensors (%d bytes) in %d GMS allocations", len(entries), total,
-             len(allocations))
+            after_chunk()
+    log.info("published %d tensors (%d bytes) in %d GMS allocations", len(pending), total,
+             len(members))
     return total
+
+
+def _publish_entry(client: Any, module: nn.Module, entry: Entry, base: torch.Tensor,
+                   allocation: int, offset: int) -> int:
+    t = entry.tensor
+    stride = None if t.is_contiguous() else list(t.stride())
+    first_name, first_kind = entry.names[0]
+    shared = view_of(base, TensorMeta(name=first_name, allocation=allocation, offset=offset,
+                                      shape=list(t.shape), dtype=entry.dtype, stride=stride,
+                                      kind=first_kind))
+    with torch.no_grad():
+        shared.copy_(t)
+    if is_parameter(entry):
+        _rebind(module, entry, shared)
+    for name, kind in entry.names:
+        client.put_tensor(TensorMeta(name=name, allocation=allocation, offset=offset,
+                                     shape=list(t.shape), dtype=entry.dtype, stride=stride,
+                                     kind=kind))
+    return entry.nbytes
+
+
+def is_parameter(entry: Entry) -> bool:
+    return any(kind == "param" for _, kind in entry.names)
 
 
 def _rebind(module: nn.Module, entry: Entry, shared: torch.Tensor) -> None:
@@ -206,32 +234,30 @@ def _attach(modules: dict[str, nn.Module], name: str, kind: TensorKind,
         object.__setattr__(owner, leaf, obj)
 
 
+def private_clone(shared: torch.Tensor) -> torch.Tensor:
+    """This process's own copy of a non-parameter tensor read from GMS."""
+    return shared.clone()
+
+
 def materialize(module: nn.Module, tensors: list[TensorMeta], base_for: BaseFor, *,
-                require_complete: bool = True) -> int:
+                require_complete: bool = True,
+                private: Callable[[torch.Tensor], torch.Tensor] = private_clone) -> int:
     """Attach the GMS tensors to `module` (typically built on the meta device), in place.
 
+    Parameters become views of the shared bytes (no copy). Every other tensor (buffers,
+    plain tensor attributes) becomes this process's own copy, made by `private` from the
+    shared bytes: engines write into those, and writes must never reach shared memory.
     Names that resolve to the same bytes become one object (tied weights stay tied).
     Raises WeightsMismatch when a tensor's shape or dtype differs from the module's, or
     (with `require_complete`) when the module still has tensors GMS did not provide.
-    Returns bytes attached.
+    Returns the bytes mapped shared (parameters).
     """
     modules = dict(module.named_modules(remove_duplicate=False))
     expected = {name: t for e in collect(module) for name, _ in e.names for t in [e.tensor]}
     bases: dict[int, torch.Tensor] = {}
-    shared: dict[tuple[Any, ...], torch.Tensor] = {}
-    total = 0
+    attached: dict[tuple[Any, ...], torch.Tensor] = {}
+    shared_bytes = 0
     for meta in tensors:
-        key = (meta.allocation, meta.offset, meta.dtype, tuple(meta.shape),
-               tuple(meta.stride) if meta.stride is not None else None)
-        obj = shared.get(key)
-        if obj is None:
-            if meta.allocation not in bases:
-                bases[meta.allocation] = base_for(meta.allocation)
-            obj = view_of(bases[meta.allocation], meta)
-            if meta.kind == "param":
-                obj = nn.Parameter(obj, requires_grad=False)
-            shared[key] = obj
-            total += obj.numel() * obj.element_size()
         want = expected.get(meta.name)
         if want is not None and (list(want.shape) != list(meta.shape)
                                  or dtype_name(want.dtype) != meta.dtype):
@@ -239,6 +265,19 @@ def materialize(module: nn.Module, tensors: list[TensorMeta], base_for: BaseFor,
                 f"GMS tensor {meta.name!r} is {meta.dtype}{list(meta.shape)} but this model "
                 f"wants {dtype_name(want.dtype)}{list(want.shape)}: the engines of one "
                 "worker must serve the same model, dtype and parallel layout")
+        key = (meta.allocation, meta.offset, meta.dtype, tuple(meta.shape),
+               tuple(meta.stride) if meta.stride is not None else None, meta.kind == "param")
+        obj = attached.get(key)
+        if obj is None:
+            if meta.allocation not in bases:
+                bases[meta.allocation] = base_for(meta.allocation)
+            view = view_of(bases[meta.allocation], meta)
+            if meta.kind == "param":
+                obj = nn.Parameter(view, requires_grad=False)
+                shared_bytes += view.numel() * view.element_size()
+            else:
+                obj = private(view)
+            attached[key] = obj
         if want is not None and isinstance(want, nn.Parameter) and meta.kind == "param":
             for key_attr, value in vars(want).items():  # weight_loader and friends
                 if not hasattr(obj, key_attr):
@@ -251,7 +290,7 @@ def materialize(module: nn.Module, tensors: list[TensorMeta], base_for: BaseFor,
         raise WeightsMismatch(f"the GMS layout lacks {len(missing)} tensor(s) this model "
                               f"needs ({shown}): it was published by another model or "
                               "version")
-    return total
+    return shared_bytes
 
 
 def missing_tensors(module: nn.Module) -> list[str]:
