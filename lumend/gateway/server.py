@@ -593,7 +593,12 @@ class Gateway:
                      rid, old.worker)
             old.stay(self.timing.migrate_retry_s)
             return old, old_target, placement
-        plan = await self._plan(req, progress, new_target)
+        try:
+            plan = await self._plan(req, progress, new_target)
+        except EngineRefused as exc:
+            log.warning("request %s stays on %s: %s", rid, old.worker, exc)
+            old.stay(self.timing.migrate_retry_s)
+            return old, old_target, placement
         upstream_body = plan.body
         upstream_body.setdefault("model", new_target.model)
         if mode is not None and new_placement is not None and (plan.by_ids or mode == "save"):
