@@ -142,8 +142,8 @@ def _content(message: Any, index: int) -> tuple[str, str]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise BadRequest(f"messages[{index}] must be an object with a role", "messages")
     content = message.get("content") or ""
-    if isinstance(content, list):  # content parts: the text ones, joined
-        content = "".join(p.get("text", "") for p in content
+    if isinstance(content, list):  # content parts: the text ones, one a line (as vLLM)
+        content = "\n".join(p.get("text", "") for p in content
                           if isinstance(p, dict) and p.get("type") == "text")
     if not isinstance(content, str):
         raise BadRequest(f"messages[{index}].content must be a string or text parts",

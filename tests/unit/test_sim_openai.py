@@ -600,3 +600,22 @@ def test_bad_model_options_are_refused_by_name(env: dict[str, str], args: list[s
         [sys.executable, "-m", "lumend.engine.sim_server", "--engine-id", "x", "--port", "1",
          *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and named in done.stderr, done.stderr
+
+
+def test_continuous_usage_and_a_stop_string_kept_in_the_output(engines: Engines) -> None:
+    e = engines.bpe
+    chunks = e.stream("/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 30, "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    counted = 0
+    for chunk in chunks[:-1]:
+        counted += len(chunk["choices"][0]["token_ids"])
+        assert chunk["usage"]["completion_tokens"] == counted
+    assert chunks[-1]["usage"]["completion_tokens"] == counted == 30
+
+    full = e.ok("/v1/completions", {"prompt": PROMPT, "max_tokens": 80})["choices"][0]["text"]
+    stop = full[25:27]
+    kept = e.ok("/v1/completions", {"prompt": PROMPT, "max_tokens": 80, "stop": stop,
+                                    "include_stop_str_in_output": True})["choices"][0]
+    assert kept["text"] == full[:full.find(stop) + len(stop)]
+    assert kept["stop_reason"] == stop
