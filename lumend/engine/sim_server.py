@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +47,10 @@ from lumend.engine.sim_core import (
     StepOutput,
     TokenModel,
 )
-from lumend.engine.sim_detokenizer import OutputText
 from lumend.engine.sim_models import MiB, SimModel, sim_model
-from lumend.engine.sim_openai import BadRequest, Generation, parse
-from lumend.engine.sim_responses import Position, Responses
+from lumend.engine.sim_openai import BadRequest, parse
+from lumend.engine.sim_output import RequestOutput, bad_request, dumps, stream
+from lumend.engine.sim_responses import Responses
 from lumend.engine.sim_tokenizer import VOCABULARIES, decode, vocabulary
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
@@ -462,9 +462,9 @@ def build_app(engine: SimEngine) -> web.Application:
             gen = parse({**body, "max_tokens": 1} if isinstance(body, dict) else body, chat,
                         engine.model.vocab, opts.max_model_len + 1)
         except json.JSONDecodeError as exc:
-            return _bad_request(BadRequest(f"the body is not JSON: {exc}"))
+            return bad_request(BadRequest(f"the body is not JSON: {exc}"))
         except BadRequest as exc:
-            return _bad_request(exc)
+            return bad_request(exc)
         return web.json_response({"count": len(gen.prompt), "max_model_len":
                                   opts.max_model_len, "tokens": gen.prompt,
                                   "token_strs": None})
@@ -478,7 +478,7 @@ def build_app(engine: SimEngine) -> web.Application:
                        for t in tokens):
                 raise ValueError("tokens must be token ids of the vocabulary")
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            return _bad_request(BadRequest(f"bad request: {exc}", "tokens"))
+            return bad_request(BadRequest(f"bad request: {exc}", "tokens"))
         return web.json_response({"prompt": decode(engine.model.vocab, tokens)})
 
     async def completion(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -490,9 +490,9 @@ def build_app(engine: SimEngine) -> web.Application:
         try:
             gen = parse(await request.json(), chat, engine.model.vocab, opts.max_model_len)
         except json.JSONDecodeError as exc:
-            return _bad_request(BadRequest(f"the body is not JSON: {exc}"))
+            return bad_request(BadRequest(f"the body is not JSON: {exc}"))
         except BadRequest as exc:
-            return _bad_request(exc)
+            return bad_request(exc)
         plan = gen.plan
         restored = 0
         request_id = uuid.uuid4().hex  # also the checkpoint's owner while it runs here
@@ -505,10 +505,10 @@ def build_app(engine: SimEngine) -> web.Application:
                                            sampling=gen.sampling)
         responses = Responses(gen, engine.model, opts.seed, opts.model.name,
                               ("chatcmpl-" if chat else "cmpl-") + sim_request.id)
-        output = _Output(gen, engine.model, sim_request, queue)
+        output = RequestOutput(gen, engine.model, sim_request, queue)
         try:
             if gen.stream:
-                return await _stream(request, responses, output)
+                return await stream(request, responses, output)
             async for _ in output.steps():
                 pass
         finally:
@@ -518,7 +518,7 @@ def build_app(engine: SimEngine) -> web.Application:
         whole = responses.chat if chat else responses.completion
         return web.json_response(whole(output.tokens, output.positions, output.text.text,
                                        output.finish, output.stop_reason),
-                                 dumps=_dumps)
+                                 dumps=dumps)
 
     @routes.post("/v1/completions")
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -531,87 +531,6 @@ def build_app(engine: SimEngine) -> web.Application:
     app = web.Application()
     app.add_routes(routes)
     return app
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def _bad_request(exc: BadRequest) -> web.Response:
-    return web.json_response(exc.body(), status=400, dumps=_dumps)
-
-
-class _Output:
-    """A request's steps turned into output: stop strings applied (vLLM's output
-    processor), tokens after the end dropped, the text held back as vLLM holds it."""
-
-    def __init__(self, gen: Generation, model: TokenModel, request: SimRequest,
-                 queue: asyncio.Queue[StepOutput | None]) -> None:
-        self.request = request
-        self.queue = queue
-        self.per_token = model.tokens_per_chunk == 1
-        self.text = OutputText(model.vocab, gen.prompt, gen.stop,
-                               gen.include_stop_str_in_output)
-        self.tokens: list[int] = []
-        self.positions: list[Position] | None = [] if gen.logprobs is not None else None
-        self.finish: str | None = None
-        self.stop_reason: int | str | None = None
-
-    async def steps(self) -> AsyncIterator[tuple[list[int], list[Position] | None, str]]:
-        """(tokens, their distributions, new text) per chunk, until the request ends."""
-        while self.finish is None and (step := await self.queue.get()) is not None:
-            for part in self._parts(step):
-                matched, kept = self.text.update(part.tokens, part.finish_reason == "stop")
-                tokens = part.tokens[:kept]
-                positions: list[Position] | None = (
-                    None if part.ranked is None else list(part.ranked[:kept]))
-                self.finish, self.stop_reason = part.finish_reason, part.stop_token
-                if matched is not None:
-                    self.finish, self.stop_reason = "stop", matched
-                    self.request.cancelled = True  # the engine stops generating
-                    self.request.finished = True
-                self.tokens += tokens
-                if self.positions is not None and positions is not None:
-                    self.positions += positions
-                yield tokens, positions, self.text.delta(self.finish is not None)
-                if self.finish is not None:
-                    break
-
-    def _parts(self, step: StepOutput) -> list[StepOutput]:
-        """One chunk per token unless the engine streams multi-token chunks: a step that
-        verified drafted tokens then still streams them one by one."""
-        if not self.per_token or len(step.tokens) == 1:
-            return [step]
-        last = len(step.tokens) - 1
-        return [StepOutput([token], None if step.ranked is None else [step.ranked[i]],
-                           step.finish_reason if i == last else None,
-                           step.stop_token if i == last else None)
-                for i, token in enumerate(step.tokens)]
-
-
-async def _stream(request: web.Request, responses: Responses, output: _Output,
-                  ) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-    await response.prepare(request)
-
-    async def send(chunk: dict[str, Any]) -> None:
-        await response.write(f"data: {_dumps(chunk)}\n\n".encode())
-
-    chat = responses.gen.chat
-    build = responses.chat_chunk if chat else responses.completion_chunk
-    opened = False
-    async for tokens, positions, text in output.steps():
-        if chat and not opened:
-            for chunk in responses.chat_opening():
-                await send(chunk)
-            opened = True
-        await send(build(tokens, positions, text, output.finish, output.stop_reason))
-    if responses.gen.include_usage:
-        await send(responses.usage_chunk())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
 
 
 async def serve(opts: EngineOptions) -> None:
