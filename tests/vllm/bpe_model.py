@@ -56,6 +56,9 @@ def build_bpe_llama(directory: Path, seed: int = 0, vocab_size: int = 512,
         max_position_embeddings=max_positions, bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False, torch_dtype="float32",
+        # Wide weights: greedy output wanders over the vocabulary (at the usual 0.02 a random
+        # model repeats one token, which re-encodes the same however it is resumed).
+        initializer_range=0.5,
     )
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
     return directory
