@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -12,24 +13,27 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from lumenctl.localcluster import free_ports
 from lumend.config import WorkerConfig
-from lumend.engine.adapter import SimAdapter
+from lumend.engine.adapter import SimAdapter, VllmAdapter
 from lumend.engine.sim_core import decode, encode, reference_completion
+from lumend.engine.vllm_version import vllm_problem
 from lumend.failover.supervisor import EngineSlot, SupervisorTiming, WorkerSupervisor
 from lumend.gms.client import GmsClient
 
 PROMPT = "the quick brown fox"
 
 
-def make_supervisor(tmp_path: Path, shadows: int = 1) -> WorkerSupervisor:
+def make_supervisor(tmp_path: Path, shadows: int = 1,
+                    cls: type[WorkerSupervisor] = WorkerSupervisor) -> WorkerSupervisor:
     port = free_ports(1)[0]
     while any(p != port + i for i, p in enumerate(range(port, port + shadows + 1))):
         port = free_ports(1)[0]
     worker = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=shadows,
                           model="sim-small", port=port)
-    return WorkerSupervisor(
+    return cls(
         "node-1", worker, SimAdapter(), runtime_dir=tmp_path / "run", log_dir=tmp_path / "logs",
         timing=SupervisorTiming(tick_s=0.05, probe_deadline_s=0.5, hung_after_failures=3),
         time_scale=0.2,
@@ -187,7 +191,9 @@ def test_gms_death_is_survived(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_an_engine_that_never_starts_backs_off_and_the_worker_is_failed(tmp_path: Path) -> None:
+def test_an_engine_that_never_starts_backs_off_and_the_worker_is_failed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
     sup = make_supervisor(tmp_path)
     # A model the sim engine does not know: every start exits at once with a clear error.
     bad = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=1, model="sim-small",
@@ -207,4 +213,65 @@ def test_an_engine_that_never_starts_backs_off_and_the_worker_is_failed(tmp_path
         log = (tmp_path / "logs" / "w0.0.log").read_text()
         assert "unknown sim model 'no-such-model'" in log
 
+    with caplog.at_level(logging.WARNING, logger="lumend.failover"):
+        run(scenario())
+    # lumend's own log says why, not only the engine's
+    assert "engine w0/0 exited with 2 while starting: sim_server.py: error: unknown sim " \
+        "model 'no-such-model'" in caplog.text
+
+
+class EveryStartAtOnce(WorkerSupervisor):
+    """The negative control: a supervisor that starts every engine as soon as it can."""
+
+    def _may_start(self, slot: EngineSlot) -> bool:
+        return True
+
+
+def most_starting_at_once(sup: WorkerSupervisor) -> int:
+    """Run the worker until every engine is ready; the most engines seen starting at once
+    (alive, not yet ready), sampled between the supervisor's own steps."""
+    worst = 0
+
+    async def scenario() -> None:
+        nonlocal worst
+        async with running(sup):
+            deadline = time.monotonic() + 60
+            while not all(s.became_ready for s in sup.slots):
+                worst = max(worst, sum(1 for s in sup.slots if s.alive and not s.became_ready))
+                assert time.monotonic() < deadline, [s.state for s in sup.slots]
+                await asyncio.sleep(0.005)
+
     run(scenario())
+    return worst
+
+
+def test_engines_of_a_worker_start_one_at_a_time(tmp_path: Path) -> None:
+    assert most_starting_at_once(make_supervisor(tmp_path / "one", shadows=2)) == 1
+    control = make_supervisor(tmp_path / "all", shadows=2, cls=EveryStartAtOnce)
+    assert most_starting_at_once(control) > 1, "the check cannot see engines start together"
+
+
+def test_a_vllm_outside_the_supported_range_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    class InstalledIsTooNew(VllmAdapter):
+        def unsupported(self) -> str | None:
+            return vllm_problem(("vllm", "0.34.0"))
+
+    worker = WorkerConfig(name="v0", gpus=[0], engine="vllm", shadows=1, model="/m",
+                          port=free_ports(1)[0])
+    sup = WorkerSupervisor("node-1", worker, InstalledIsTooNew(cuda=False),
+                           runtime_dir=tmp_path / "run", log_dir=tmp_path / "logs",
+                           timing=SupervisorTiming(tick_s=0.05))
+
+    async def scenario() -> None:
+        async with running(sup):
+            await wait_for(lambda: sup.refused is not None, 10, "the refusal")
+            await asyncio.sleep(0.3)  # several ticks: still nothing may start
+            assert all(s.proc is None and s.restarts == 0 for s in sup.slots)
+            assert sup.worker_state() == "failed"
+
+    with caplog.at_level(logging.ERROR, logger="lumend.failover"):
+        run(scenario())
+    assert "worker v0 cannot start its vllm engines: vllm 0.34.0 is installed, but LUMEN " \
+        "supports vLLM >=0.32,<0.34" in caplog.text
