@@ -7,7 +7,9 @@ Resume semantics per field (docs/operator-guide.md section 15 says the same for 
   generated so far, for chat requests too (the chat template was applied once, by the engine
   that started the request);
 - `max_tokens` / `max_completion_tokens`: the engine is asked for the limit minus the tokens
-  produced; without a limit none is sent (the engine's own default applies, as without LUMEN);
+  produced; without a limit none is sent to the engine that starts the request (its own
+  default applies, as without LUMEN: vLLM's is 16 tokens for completions, the context left
+  for chat), and a resume asks for what is left of that default;
 - sampling parameters are sent again unchanged: greedy requests continue token-identical; a
   seeded request restarts its seeded generator at the break, so its continuation is a valid
   sample but not the one an unbroken run would have drawn; so is an unseeded sampled request;
@@ -18,7 +20,8 @@ Resume semantics per field (docs/operator-guide.md section 15 says the same for 
 - `n` / `best_of` above 1, beam search, `tools` and `echo` with `logprobs` are refused up
   front (400 naming the field): they have no resume semantics here;
 - `response_format` and guided decoding: the engine's grammar cannot start from a prefix, so
-  such a request is recomputed from its start after a failure and the gateway skips the ids
+  such a request (and one with `presence_penalty` or `frequency_penalty`, which vLLM counts
+  over the output only) is recomputed from its start after a failure and the gateway skips the ids
   the client already has, checking they are the same (greedy); when they differ (sampled) the
   stream ends with an error event rather than contradict what the client was sent.
 """
@@ -47,6 +50,9 @@ _SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "presenc
 # Grammar-constrained decoding: a grammar cannot be continued from a prefix by the engine.
 _GUIDED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
            "guided_choice", "guided_grammar", "guided_whitespace_pattern")
+# vLLM's CompletionRequest.max_tokens default (0.32, 0.33); chat's is the context left.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+_OUTPUT_PENALTIES = ("presence_penalty", "frequency_penalty")
 # Fields the gateway handles itself, never passed upstream as given.
 _OWN = ("stream", "stream_options", "stop", "echo", "n", "return_token_ids", "max_tokens",
         "max_completion_tokens", "min_tokens", "kv_transfer_params")
@@ -97,14 +103,18 @@ class ClientRequest:
             body["logprobs"] = self.logprobs
         return body
 
-    def resume_body(self, ids: list[int], produced: int) -> dict[str, Any]:
+    def resume_body(self, ids: list[int], produced: int,
+                    max_model_len: int | None = None) -> dict[str, Any]:
         """`/v1/completions` continuing after `ids` (prompt ids + generated ids), of which
-        `produced` were generated."""
+        `produced` were generated. A chat request without a limit had the context left as
+        its limit: that needs the model's `max_model_len`."""
         body: dict[str, Any] = {k: self.body[k] for k in _SAMPLING if k in self.body}
         body.update(prompt=list(ids), stream=True, return_token_ids=True)
         left = self.left(produced)
-        if left is not None:
-            body["max_tokens"] = left
+        if left is None:
+            assert max_model_len is not None, "a chat request without a limit needs it"
+            left = max_model_len - len(ids)
+        body["max_tokens"] = left
         if self.min_tokens > produced:
             body["min_tokens"] = self.min_tokens - produced
         if self.logprobs is not None:
@@ -129,6 +139,8 @@ def parse_request(body: Any, chat: bool) -> ClientRequest:
                                "an engine directly; the gateway needs the text to echo and "
                                "route it)", "prompt")
     limit = _limit(body, chat)
+    if limit is None and not chat:
+        limit = COMPLETION_DEFAULT_MAX_TOKENS  # what the engine applies (vLLM's default)
     min_tokens = _count(body, "min_tokens", 0)
     if body.get("n", 1) not in (1, None):
         raise RequestError("n must be 1: several choices per request cannot be resumed "
@@ -161,7 +173,10 @@ def parse_request(body: Any, chat: bool) -> ClientRequest:
         include_usage=bool(options and options.get("include_usage")) and bool(
             body.get("stream")),
         logprobs=logprobs, guided=any(body.get(k) not in (None, {"type": "text"})
-                                      for k in _GUIDED))
+                                      for k in _GUIDED)
+        # vLLM counts these penalties over the output only: after a break the tokens before
+        # it would be prompt, so the request is recomputed from its start instead.
+        or any(body.get(k) not in (None, 0, 0.0) for k in _OUTPUT_PENALTIES))
 
 
 def _count(body: dict[str, Any], key: str, default: int) -> int:

@@ -148,6 +148,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._upstreams: set[Upstream] = set()  # open engine streams, for migrations
+        self._context_of: dict[str, int] = {}  # worker -> its model's max_model_len
         self._watcher: asyncio.Task[None] | None = None
         # None: no keys configured, anyone who reaches the gateway may use it. Replaced
         # whole on reload, so a request sees the old keys or the new ones.
@@ -449,8 +450,9 @@ class Gateway:
         if (not req.guided and progress.prompt_ids is not None and progress.ids
                 and not progress.again_text):
             cut = await self._clean_cut(target, progress)
-            if cut is not None:
-                return ResumePlan.by_cut(req, progress, cut)
+            context = None if req.limit is not None else await self._max_model_len(target)
+            if cut is not None and (req.limit is not None or context is not None):
+                return ResumePlan.by_cut(req, progress, cut, context)
             log.warning("no clean text boundary in the last %d tokens (or no /detokenize on "
                         "%s): recomputing the request from its start", CUT_WINDOW,
                         target.worker)
@@ -477,6 +479,26 @@ class Gateway:
                 return cut
             if len(text) < len(want) and not want.startswith(text.rstrip("\ufffd")):
                 break
+        return None
+
+    async def _max_model_len(self, target: Target) -> int | None:
+        """The target model's context length (`/v1/models`), remembered per worker."""
+        assert self._session is not None
+        known = self._context_of.get(target.worker)
+        if known is not None:
+            return known
+        for url in target.urls:
+            try:
+                async with self._session.get(
+                        url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                    doc = await r.json()
+                length = next((m.get("max_model_len") for m in doc.get("data", [])
+                               if m.get("id") == target.model), None)
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+                continue
+            if isinstance(length, int) and length > 0:
+                self._context_of[target.worker] = length
+                return length
         return None
 
     async def _detokenize(self, target: Target, ids: list[int]) -> str | None:
@@ -777,12 +799,14 @@ class ResumePlan:
     again_text: str = ""
 
     @classmethod
-    def by_cut(cls, req: ClientRequest, progress: Progress, cut: int) -> ResumePlan:
+    def by_cut(cls, req: ClientRequest, progress: Progress, cut: int,
+               max_model_len: int | None) -> ResumePlan:
         assert progress.prompt_ids is not None
         ids = progress.ids[:cut]
         how = "after its token ids" if cut == len(progress.ids) else (
             f"after {cut} of its {len(progress.ids)} ids: the rest had no text yet")
-        return cls("/v1/completions", req.resume_body([*progress.prompt_ids, *ids], cut),
+        return cls("/v1/completions", req.resume_body([*progress.prompt_ids, *ids], cut,
+                                                      max_model_len),
                    resume=True, by_ids=True, how=how, keep=cut,
                    again_ids=[*progress.ids[cut:], *progress.again_ids])
 

@@ -337,3 +337,36 @@ def test_a_slow_first_token_is_not_a_failure(tmp_path: Path) -> None:
 
 def test_a_worker_with_a_shadow_continues_the_stream_itself(tmp_path: Path) -> None:
     asyncio.run(_test_a_worker_with_a_shadow_continues_the_stream_itself(tmp_path))
+
+
+async def _restart_case(tmp_path: Path) -> None:
+    """Guided decoding and output-only penalties cannot continue from a prefix: after the
+    kill the request is recomputed from its start and the client gets no token twice."""
+    async with cluster(tmp_path, [*BPE, "--time-scale", "2.0"]) as (gateway, base, sups), \
+            aiohttp.ClientSession() as session:
+        bodies = [{"prompt": "{\"clé\": ", "max_tokens": 150, "stream": True,
+                   "return_token_ids": True, "response_format": {"type": "json_object"}},
+                  {"prompt": "pénalité ", "max_tokens": 150, "stream": True,
+                   "return_token_ids": True, "presence_penalty": 0.5}]
+        reference = [await call(session, base, False, b) for b in bodies]
+        seen = [[0] for _ in bodies]
+        tasks = [asyncio.create_task(call(session, base, False, b, seen[i]))
+                 for i, b in enumerate(bodies)]
+        while min(s[0] for s in seen) < 10:
+            await asyncio.sleep(0.005)
+        for sup in sups:  # both workers: wherever the two streams run
+            if gateway.in_flight[sup.worker.name]:
+                active = next(s for s in sup.slots if s.state == "active")
+                assert active.proc is not None
+                os.kill(active.proc.pid, signal.SIGKILL)
+                break
+        results = await asyncio.gather(*tasks)
+    assert gateway.counters.restarts >= 1, "no request was recomputed from its start"
+    for ref, got in zip(reference, results, strict=True):
+        assert got["errors"] == [] and got["text"] == ref["text"]
+        assert got["token_ids"] == ref["token_ids"]
+
+
+def test_guided_and_penalised_requests_are_recomputed_without_repeating(
+        tmp_path: Path) -> None:
+    asyncio.run(_restart_case(tmp_path))

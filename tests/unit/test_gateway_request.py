@@ -43,9 +43,13 @@ def test_the_earliest_of_several_stop_strings_wins() -> None:
 
 
 def test_no_limit_is_sent_when_the_client_gave_none() -> None:
+    """The engine's default applies: for chat the context left, which a resume (sent as a
+    completion, whose default is 16) must then ask for; for completions vLLM's 16."""
     req = parse_request({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
     assert "max_tokens" not in req.first_body()
-    assert "max_tokens" not in req.resume_body([1, 2, 3], produced=2)
+    assert req.resume_body([1, 2, 3], produced=2, max_model_len=100)["max_tokens"] == 97
+    completion = parse_request({"prompt": "hi"}, chat=False)
+    assert completion.resume_body([1, 2, 3], produced=2)["max_tokens"] == 14
     limited = parse_request({"messages": [{"role": "user", "content": "hi"}],
                              "max_completion_tokens": 10, "stop": ["x"], "echo": True},
                             chat=True)
