@@ -104,10 +104,19 @@ def metric(url: str, name: str) -> float:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def wire_seconds(endpoint: str, pages: list[bytes], name: str, *, windowed: bool
-                 ) -> tuple[float, float, int]:
+def wire_seconds(endpoint: str, pages: list[bytes], name: str, *, windowed: bool,
+                 repeats: int = 3) -> tuple[float, float, int]:
+    """The best of `repeats` (save s, load s) and the pages lost, through one holder."""
+    runs = [wire_once(endpoint, pages, f"{name}-{r}", windowed=windowed)
+            for r in range(repeats)]
+    return (min(r[0] for r in runs), min(r[1] for r in runs), max(r[2] for r in runs))
+
+
+def wire_once(endpoint: str, pages: list[bytes], name: str, *, windowed: bool
+              ) -> tuple[float, float, int]:
     """(save s, load s, pages lost) for these pages through one holder: every PUT until its
-    ACK, then every page back (serial GETs, or GETs 64 in flight)."""
+    ACK, then every page back (serial GETs, or in flight together within the connector's
+    window)."""
     from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 
     layout = PageLayout(model="bench", layout_fingerprint=name, dtype="uint8",
@@ -124,7 +133,8 @@ def wire_seconds(endpoint: str, pages: list[bytes], name: str, *, windowed: bool
         saved = time.perf_counter() - started
         started = time.perf_counter()
         if windowed:
-            got = len(streamer.get_many(name, hashes, window=64, timeout_s=10))
+            window = max(4, min(64, (16 << 20) // len(pages[0])))  # as LumenConnector's
+            got = len(streamer.get_many(name, hashes, window=window, timeout_s=10))
         else:
             got = sum(streamer.get(name, h, timeout_s=10) is not None for h in hashes)
         loaded = time.perf_counter() - started
@@ -169,7 +179,7 @@ def pages_bench(blocks: int, threads: int) -> None:
                      old_copy, layer),
                     ("page per block, serial GETs, per-block copies", wires["block"],
                      old_copy, page),
-                    ("page per block, 64 GETs in flight, batched copies", wires["now"],
+                    ("page per block, GETs in flight, batched copies", wires["now"],
                      new_copy, page)):
                 rows.append((label, path, size, blocks / copy_save, blocks / wire[0],
                              blocks / (copy_save + wire[0]), blocks / copy_load,

@@ -130,9 +130,9 @@ def measure(shape: dict[str, Any], device: torch.device, *, blocks: int = 64,
 
     for name, load in (("old_load", load_old), ("new_load", load_new)):
         for _ in range(repeats):
-            for layer in layers:
-                layer.select(block_dim, 0).zero_()
-                layer.index_fill_(block_dim, torch.tensor(target, device=device), 0)
+            for layer in layers:  # the target blocks zeroed (as raw bytes: any KV dtype)
+                layer.view(torch.uint8).index_fill_(block_dim, torch.tensor(target,
+                                                                           device=device), 0)
             _sync(device)
             t = time.perf_counter()
             load()

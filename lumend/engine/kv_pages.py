@@ -58,7 +58,11 @@ class KvPages:
                  max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
         if not layers:
             raise ValueError("KvPages needs at least one KV cache layer")
-        self.layers = list(layers)
+        if any(block_dim >= layer.dim() - 1 for layer in layers):
+            raise ValueError(f"KvPages: block dimension {block_dim} must not be a layer's last")
+        # Raw words are moved, whatever the KV dtype (fp8 and bf16 included): every device
+        # has fast index kernels for int32 (uint8's are slow on CPU).
+        self.layers = _as_words(list(layers))
         self.block_dim = block_dim
         self.device = self.layers[0].device
         self.block_shapes = [tuple(layer.select(block_dim, 0).shape) for layer in self.layers]
@@ -96,7 +100,7 @@ class KvPages:
         return batch
 
     def _layer_views(self, batch: torch.Tensor) -> list[torch.Tensor]:
-        """Each layer's part of every page in `batch`, as (blocks, *block shape) of its dtype."""
+        """Each layer's part of every page in `batch`, as (blocks, *block shape)."""
         views = []
         for layer, offset, nbytes, shape in zip(self.layers, self.offsets, self.layer_nbytes,
                                                 self.block_shapes, strict=True):
@@ -136,6 +140,17 @@ class KvPages:
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
         for layer, view in zip(self.layers, self._layer_views(batch), strict=True):
             layer.index_copy_(self.block_dim, index, view.movedim(0, self.block_dim))
+
+
+def _as_words(layers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The layers viewed as the widest integer type that every one of them allows (the
+    same bytes; the last dimension counts words then), else as they are."""
+    for word in (torch.int32, torch.int16, torch.uint8):
+        try:
+            return [layer.view(word) for layer in layers]
+        except RuntimeError:  # a last dimension of bytes not divisible, or not contiguous
+            continue
+    return layers
 
 
 class _CudaCopies:

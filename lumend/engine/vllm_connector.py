@@ -342,9 +342,9 @@ class LumenConnector(KVConnectorBase_V1):
             model=self._model, layout_fingerprint=self._fingerprint, dtype="uint8",
             page_shape=(self._pages.page_nbytes,),
             tp_rank=get_tensor_model_parallel_rank(), tp_size=self._tp_size)
-        log.info("LumenConnector: %d layers, block dim %d, block %s %s, page %d bytes, up to "
-                 "%d blocks per copy", len(layers), dims[0], self._pages.block_shapes[0],
-                 first.dtype, self._pages.page_nbytes, self._pages.batch_blocks)
+        log.info("LumenConnector: %d layers %s %s, block dim %d, page %d bytes, up to %d "
+                 "blocks per copy", len(layers), tuple(first.shape), first.dtype, dims[0],
+                 self._pages.page_nbytes, self._pages.batch_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -41,12 +41,14 @@ def test_without_cuda_every_step_is_skipped_and_crashes_are_contained(tmp_path: 
     assert result["summary"] == {"passed": 1, "crashed": 1, "timed_out": 1, "skipped": 7}
 
 
-def test_the_page_copy_step_s_measurement_runs_on_cpu() -> None:
-    """Step g's code (old and new page copies) restores the saved bytes on any device."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_the_page_copy_step_s_measurement_runs_on_cpu(dtype: str) -> None:
+    """Step g's code (old and new page copies) restores the saved bytes on any device, and
+    the connector's batched pages are byte for byte the old per-block ones."""
     torch = pytest.importorskip("torch")
     sys.path.insert(0, str(CHECK.parent))
     from page_copy import TINY, measure  # type: ignore[import-not-found, unused-ignore]
 
-    result = measure(TINY, torch.device("cpu"), blocks=8, repeats=1)
+    result = measure({**TINY, "dtype": dtype}, torch.device("cpu"), blocks=8, repeats=1)
     assert result["pages_identical_old_new"]
     assert result["restored_exactly"] == {"old_load": True, "new_load": True}
