@@ -299,15 +299,18 @@ def step_remap_graph(o: argparse.Namespace) -> dict[str, Any]:
     device.set_access(va, size, writable=True)
     weights.copy_(host_copy)
     after_recreate = run()
+    weights.mul_(2)  # control: the graph reads what is at that address now
+    doubled = run()
     device.unmap(va, size)
     device.release(handle)
     device.free_address(va, size)
     freed = released_free - held_free
-    ok = (first == after_remap == after_recreate and freed >= size * 0.9
+    ok = (first == after_remap == after_recreate != doubled and freed >= size * 0.9
           and abs(unmapped_free_held - held_free) < size // 2)
     return {"status": "passed" if ok else "failed", "graph_output": first,
             "after_remap_same_memory": after_remap, "after_release_and_recreate":
-            after_recreate, "allocation_bytes": size,
+            after_recreate, "with_other_weights_at_the_address": doubled,
+            "allocation_bytes": size,
             "freed_while_released_bytes": freed,
             "free_change_unmapped_but_held_bytes": unmapped_free_held - held_free}
 
