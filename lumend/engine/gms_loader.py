@@ -394,7 +394,16 @@ def _map_model(weights: GmsWeights, platform: Platform, vllm_config: Any, model_
                                      prefix=prefix)
         # Before attaching: the writer published post-processed tensors, so this only
         # rebuilds Python-side state, and whatever it writes lands on meta tensors.
-        with platform.processing(), weights_already_processed():
-            process_weights_after_loading(model, model_config, platform.device)
+        # Re-tying embeddings compares tensor values (impossible on meta); the writer has
+        # decided already, and tied names share one GMS tensor that materialize re-ties.
+        untied = getattr(model_config, "word_embeddings_untied_by_checkpoint", False)
+        if untied:
+            model_config.word_embeddings_untied_by_checkpoint = False
+        try:
+            with platform.processing(), weights_already_processed():
+                process_weights_after_loading(model, model_config, platform.device)
+        finally:
+            if untied:
+                model_config.word_embeddings_untied_by_checkpoint = untied
         materialize(model, tensors, weights.base_for)
     return model

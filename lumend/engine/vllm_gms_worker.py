@@ -100,6 +100,8 @@ def _build_worker_class() -> type:
 
     from lumend.engine import gms_loader
 
+    gms_loader.register_loader()  # the load format exists wherever the class does
+
     class LumenGmsWorker(gpu_worker.Worker):
         """vLLM's GPU worker with weights from GMS and sleep/wake that keep them there."""
 

@@ -183,3 +183,75 @@ def test_publish_needs_the_writer(gms: GmsProcess) -> None:
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait()
+
+
+class Wide(nn.Module):
+    """Eight 4 KiB parameters and a buffer: several chunks at an 8 KiB chunk size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ParameterList([nn.Parameter(torch.full((1024,), float(i)))
+                                        for i in range(8)])
+        self.register_buffer("scale", torch.ones(4))
+
+
+def test_publish_frees_each_chunks_originals_before_allocating_the_next(
+        gms: GmsProcess) -> None:
+    import weakref
+
+    model = Wide()
+    originals = [weakref.ref(p) for p in model.layers]
+    total = sum(p.numel() * p.element_size() for p in model.layers)
+    chunk = 8192
+    peaks: list[int] = []
+
+    def after_chunk() -> None:
+        alive = sum(4096 for ref in originals if ref() is not None)
+        published = int(str(gms.stats()["bytes"]))
+        peaks.append(alive + published)
+
+    with gms.client() as writer:
+        writer.hello("writer")
+        publish(writer, model, _base_for(writer), chunk_bytes=chunk,  # type: ignore[arg-type]
+                after_chunk=after_chunk)
+        writer.commit()
+    assert len(peaks) >= 4
+    # Originals and shared copies together never exceed the weights plus one chunk (the
+    # buffer's 16 bytes round up to a page in its own chunk at the end).
+    assert max(peaks) <= total + chunk + 4096, peaks
+    assert all(ref() is None for ref in originals), "a private original outlived publishing"
+    assert [float(p[0]) for p in model.layers] == [float(i) for i in range(8)]
+
+
+def test_readers_map_parameters_and_own_every_other_tensor(gms: GmsProcess) -> None:
+    writer = _start_writer(gms)
+    try:
+        with gms.client() as client:
+            client.hello("reader", timeout_s=5)
+            _, tensors, _ = client.layout()
+            bases: list[torch.Tensor] = []
+
+            def base_for(allocation: int) -> torch.Tensor:
+                bases.append(host_base(client.map(allocation).mem))
+                return bases[-1]
+
+            with torch.device("meta"):
+                model = Tiny()
+            materialize(model, tensors, base_for)
+
+            def in_gms(t: torch.Tensor) -> bool:
+                return any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel()
+                           for b in bases)
+
+            assert all(in_gms(p) for p in model.parameters())
+            assert not any(in_gms(b) for b in model.buffers()) and not in_gms(model.gate)
+            with torch.no_grad():  # the reader's own copies: nothing reaches GMS
+                model.scale.mul_(0.0)
+                model.gate.mul_(0.0)
+                assert not torch.equal(model(IDS), reference_output())
+            second_client, second = read_model(gms)
+            with second_client, torch.no_grad():
+                assert torch.equal(second(IDS), reference_output())
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
