@@ -106,3 +106,25 @@ def test_the_gpu_check_script_exits_2_without_cuda() -> None:
     assert out.returncode == 2, out.stderr
     assert "no usable CUDA here, nothing checked" in out.stderr
     assert out.stdout == ""  # no table: nothing was checked
+
+
+@pytest.mark.parametrize("driver_py", [
+    "from ._missing_extension import cuInit\n",  # a wheel built for another Python
+    "raise AttributeError('module has no attribute CUresult')\n",  # a half-upgraded install
+    "class CUresult:\n    CUDA_SUCCESS = 0\n"
+    "def cuInit(flags):\n    raise TypeError('bad argument')\n",  # loads, then fails
+])
+def test_a_broken_cuda_python_is_named_with_the_reinstall_fix(tmp_path: Path,
+                                                               driver_py: str) -> None:
+    package = tmp_path / "cuda" / "bindings"
+    package.mkdir(parents=True)
+    (tmp_path / "cuda" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "driver.py").write_text(driver_py)
+    out = _run(f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+               "from lumend.gms.cuda_vmm import driver\n"
+               "try:\n    driver()\nexcept Exception as e:\n"
+               "    print(type(e).__name__, e)")
+    assert out.stdout.startswith("CudaUnavailable cuda-python is installed but does not work"), (
+        out.stdout + out.stderr)
+    assert "pip install --force-reinstall 'lumen[gpu]'" in out.stdout
