@@ -77,6 +77,14 @@ def socket_for(template: str, rank: int, device: int) -> str:
     return template.replace("{rank}", str(rank)).replace("{device}", str(device))
 
 
+def unreachable(socket_path: str, timeout_s: float, reason: object,
+                backend: str = "host|cuda") -> GmsUnavailable:
+    return GmsUnavailable(
+        f"no GMS server answered at {socket_path} for {timeout_s:.0f} s ({reason}); lumend "
+        f"starts one per worker (by hand: python -m lumend.gms.server --socket "
+        f"{socket_path} --backend {backend}); see lumend's log for why it is not running")
+
+
 def committed_weight_bytes(socket_path: str, timeout_s: float) -> int:
     """Bytes of weights already committed in GMS (0 when this engine will be the writer).
 
@@ -90,9 +98,9 @@ def committed_weight_bytes(socket_path: str, timeout_s: float) -> int:
         try:
             with GmsClient(socket_path) as client:
                 stats = client.stats()
-        except GmsError:
+        except GmsError as exc:
             if time.monotonic() > deadline:
-                raise
+                raise unreachable(socket_path, timeout_s, exc) from exc
             time.sleep(0.2)
             continue
         state = stats["state"]
@@ -170,12 +178,8 @@ class GmsWeights:
             except GmsError as exc:  # GMS may be restarting: the supervisor replaces it
                 now = time.monotonic()
                 if now > deadline:
-                    raise GmsUnavailable(
-                        f"no GMS server answered at {self.socket} for {self.timeout_s:.0f} s "
-                        f"({exc}); lumend starts one per worker (by hand: python -m "
-                        f"lumend.gms.server --socket {self.socket} --backend "
-                        f"{platform.backend}); see lumend's log for why it is not running"
-                    ) from exc
+                    raise unreachable(self.socket, self.timeout_s, exc,
+                                      platform.backend) from exc
                 if now > next_warning:
                     log.warning("waiting for the GMS server at %s (%.0f s so far): %s",
                                 self.socket, now - started, exc)

@@ -159,6 +159,8 @@ def test_no_gms_server_is_a_clear_error_after_the_timeout(tmp_path: Path) -> Non
     with pytest.raises(GmsUnavailable, match=r"no GMS server answered at .*nobody\.sock for "
                                              r"0 s .*python -m lumend\.gms\.server"):
         weights.connect("reader")
+    with pytest.raises(GmsUnavailable, match=r"nobody\.sock .*--backend host\|cuda"):
+        committed_weight_bytes(str(tmp_path / "nobody.sock"), timeout_s=0.3)
 
 
 def test_wake_refuses_a_layout_that_changed_while_asleep_and_maps_nothing(
