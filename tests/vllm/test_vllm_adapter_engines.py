@@ -4,7 +4,8 @@ Each engine is started by the worker supervisor from the worker's settings, as l
 it; the test reads the command line back from /proc and checks what the running engine did
 with it: the explicit KV budget (vLLM's own cache_config_info), LUMEN's connector, and the
 draft-assist proposer only where the worker opts in (vLLM's spec-decode metrics exist only
-then; the gate refuses to attach a drafter otherwise). Greedy output is the same either way.
+then; the gate refuses to attach a drafter otherwise), and the GMS worker's CPU twin (the
+weights it serves are mapped from GMS). Greedy output is the same either way.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import pytest
 from lumenctl.localcluster import free_ports
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import VllmAdapter
+from lumend.engine.vllm_gms_worker import CPU_WORKER_CLS
 from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
 
 from .conftest import VLLM_ARGS
+from .test_vllm_failover import maps_gms_weights
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -64,6 +67,7 @@ async def serve_once(model: Path, assist: bool, tmp: Path) -> dict[str, Any]:
         assert slot.proc is not None
         cmdline = (await asyncio.to_thread(Path(f"/proc/{slot.proc.pid}/cmdline").read_bytes)
                    ).split(b"\0")
+        shared = await asyncio.to_thread(maps_gms_weights, slot.proc.pid)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
             async with s.post(slot.spec.url + "/v1/completions", json={
                 "model": str(model), "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
@@ -75,7 +79,7 @@ async def serve_once(model: Path, assist: bool, tmp: Path) -> dict[str, Any]:
                 metrics = await r.text()
             async with s.get(slot.spec.url + "/lumen/assist") as r:
                 assist_status, assist_body = r.status, await r.json()
-        return {"cmd": [a.decode() for a in cmdline if a], "tokens": tokens,
+        return {"cmd": [a.decode() for a in cmdline if a], "tokens": tokens, "shared": shared,
                 "metrics": metrics, "assist": (assist_status, assist_body)}
     finally:
         stop.set()
@@ -93,6 +97,8 @@ def test_engines_started_from_lumends_command_lines_serve(
         assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(KV_BUDGET)
         connector = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
         assert connector["kv_connector"] == "LumenConnector"
+        # The GMS worker's CPU twin: the engine published its weights and maps them.
+        assert cmd[cmd.index("--worker-cls") + 1] == CPU_WORKER_CLS and run["shared"]
         # The budget took effect: vLLM's own record of its cache config. The test
         # environment sets VLLM_CPU_KVCACHE_SPACE=1 (GiB), which vLLM would apply over the
         # flag; lumend leaves it out of the engine's environment when the worker sets one.

@@ -1,9 +1,11 @@
 """Real vLLM engines under the supervisor: the adapter, load from /metrics, and an
-active/hot-standby pair that survives SIGKILL of the active engine."""
+active/hot-standby pair that shares one copy of the weights (the GMS worker's CPU twin over
+the host backend) and survives SIGKILL of the active engine without loading them again."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -15,6 +17,7 @@ from lumenctl.localcluster import free_ports
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import VllmAdapter
 from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
+from lumend.gms.client import GmsClient
 
 from .conftest import VLLM_ARGS
 
@@ -26,6 +29,31 @@ def consecutive_ports(n: int) -> int:
         first = free_ports(1)[0]
         if first + n < 65535:
             return first
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it (vLLM's engine core and its worker)."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return [pid, *(p for child in children for p in process_tree(child))]
+
+
+def maps_gms_weights(pid: int) -> bool:
+    """Whether the engine started as `pid` maps the GMS host backend's memfd: its weights
+    are the worker's shared copy."""
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            if "memfd:lumen-gms" in Path(f"/proc/{p}/maps").read_text():
+                return True
+    return False
+
+
+def gms_stats(sup: WorkerSupervisor) -> dict[str, int | str]:
+    assert sup.gms_socket is not None
+    with GmsClient(str(sup.gms_socket)) as gms:
+        return dict(gms.stats())
 
 
 def group_alive(pgid: int) -> bool:
@@ -62,7 +90,7 @@ def test_hot_standby_survives_sigkill_of_the_active_vllm(
         "node-1", worker, VllmAdapter(), runtime_dir=tmp_path / "run", log_dir=tmp_path / "logs",
         timing=SupervisorTiming(tick_s=0.1, probe_deadline_s=2.0, start_timeout_s=400),
     )
-    assert sup.gms_socket is None  # no GMS on CPU: each engine loads its own weights
+    assert sup.gms_socket is not None  # the CPU twin: weights in the GMS host backend
 
     async def scenario() -> None:
         stop = asyncio.Event()
@@ -77,6 +105,10 @@ def test_hot_standby_survives_sigkill_of_the_active_vllm(
                     await asyncio.sleep(0.5)
                 first = await complete(s, sup, tiny_llama)
                 assert first is not None
+                # One copy of the weights: both engines map it, one engine ever wrote it.
+                assert all(x.proc is not None and maps_gms_weights(x.proc.pid)
+                           for x in sup.slots), f"an engine has its own weights; see {tmp_path}"
+                assert gms_stats(sup)["commits"] == 1
                 active = next(x for x in sup.slots if x.state == "active")
                 assert first[0] == active.spec.engine_id
                 load = await sup.adapter.load(s, active.spec)  # real vLLM /metrics
@@ -104,6 +136,16 @@ def test_hot_standby_survives_sigkill_of_the_active_vllm(
                 record = sup.record()
                 assert record.state == "serving"
                 assert [e.id for e in record.engines if e.role == "active"] == [after[0]]
+                # The killed engine comes back as a shadow that maps the same weights.
+                deadline = time.monotonic() + 400
+                while {x.state for x in sup.slots} != {"active", "standby"}:
+                    assert time.monotonic() < deadline, "the killed engine never came back"
+                    await asyncio.sleep(0.5)
+                assert all(x.proc is not None and maps_gms_weights(x.proc.pid)
+                           for x in sup.slots)
+                stats = gms_stats(sup)
+                assert stats["commits"] == 1 and stats["writer_sessions"] == 1, (
+                    f"the weights were loaded again: {stats}")
         finally:
             stop.set()
             await task
