@@ -54,6 +54,9 @@ class SupervisorTiming:
     backoff_first_s: float = 0.5
     backoff_max_s: float = 30.0
     failed_after_starts: int = 3  # a worker whose every engine failed this often is failed
+    # An engine (or GMS server) that exits with an error sooner than this after it was
+    # ready is failing too (a wake that cannot get memory, weights that changed): back off.
+    stable_s: float = 60.0
     stop_grace_s: float = 10.0
 
 
@@ -66,6 +69,7 @@ class EngineSlot:
     started_at: float = 0.0
     probe_failures: int = 0
     became_ready: bool = False  # reached standby or active since it was started
+    ready_at: float = 0.0
     failed_starts: int = 0  # consecutive runs that died before becoming ready
     restarts: int = 0
     backoff_s: float = 0.0
@@ -158,6 +162,7 @@ class WorkerSupervisor:
         # then the worker is failed and nothing is started.
         self.refused: str | None = None
         self._gpu_total: int | None = None
+        self._gms_started = self._gms_restart_at = self._gms_backoff_s = 0.0
         self._waiting_logged: str | None = None
 
     # -- the loop -------------------------------------------------------------------------
@@ -318,12 +323,15 @@ class WorkerSupervisor:
         if was == "active" and self.pending_failover is None:
             self.pending_failover = FailoverRecord(slot.spec.engine_id,
                                                    f"active engine exited ({code})", now)
-        # An engine that dies before it ever initialises is crash-looping: back off. One that
-        # was ready is replaced at once, so the worker regains its shadow quickly.
+        # An engine that dies before it ever initialises is crash-looping: back off. So is
+        # one that exits with an error soon after it was ready (it could not wake, its
+        # weights changed). One killed (a signal), or that served a while, is replaced at
+        # once, so the worker regains its shadow quickly.
         slot.failed_starts = 0 if slot.became_ready else slot.failed_starts + 1
-        slot.backoff_s = (0.0 if slot.became_ready
-                          else min(max(slot.backoff_s * 2, self.timing.backoff_first_s),
-                                   self.timing.backoff_max_s))
+        failing = not slot.became_ready or (
+            code is not None and code > 0 and now - slot.ready_at < self.timing.stable_s)
+        slot.backoff_s = (min(max(slot.backoff_s * 2, self.timing.backoff_first_s),
+                              self.timing.backoff_max_s) if failing else 0.0)
         slot.restart_at = now + slot.backoff_s
         slot.restarts += 1
         self.counters.engine_restarts += 1
@@ -337,7 +345,8 @@ class WorkerSupervisor:
         try:
             slot.state = await self.adapter.probe(session, slot.spec)
             slot.probe_failures = 0
-            slot.became_ready = slot.became_ready or slot.state in ("standby", "active")
+            if not slot.became_ready and slot.state in ("standby", "active"):
+                slot.became_ready, slot.ready_at = True, now
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
             if slot.state == "starting":
                 if now - slot.started_at > self.timing.start_timeout_s:
@@ -443,12 +452,27 @@ class WorkerSupervisor:
             return
         if self.gms_proc is not None and self.gms_proc.poll() is None:
             return
+        now = time.monotonic()
+        gms_log = self.log_dir / f"{self.worker.name}.gms.log"
         if self.gms_proc is not None:
-            log.warning("GMS server of %s exited (%s); restarting it: engines keep serving, "
-                        "the next engine to start reloads the weights",
-                        self.worker.name, self.gms_proc.returncode)
+            # A server that cannot run (no driver, a bad device) must not be restarted
+            # every tick: back off as for engines, and say why.
+            lived = now - self._gms_started
+            self._gms_backoff_s = (0.0 if lived >= self.timing.stable_s else
+                                   min(max(self._gms_backoff_s * 2, self.timing.backoff_first_s),
+                                       self.timing.backoff_max_s))
+            why = last_error(gms_log)
+            log.warning("GMS server of %s exited (%s%s); restarting it in %.1f s: engines keep "
+                        "serving, the next engine to start reloads the weights (log: %s)",
+                        self.worker.name, self.gms_proc.returncode, f": {why}" if why else "",
+                        self._gms_backoff_s, gms_log)
             self.counters.gms_restarts += 1
-        with (self.log_dir / f"{self.worker.name}.gms.log").open("ab") as out:
+            self.gms_proc = None
+            self._gms_restart_at = now + self._gms_backoff_s
+        if now < self._gms_restart_at:
+            return
+        self._gms_started = now
+        with gms_log.open("ab") as out:
             # On CUDA the server sees only this worker's GPU, as device 0.
             self.gms_proc = subprocess.Popen(
                 [sys.executable, "-m", "lumend.gms.server", "--socket", str(self.gms_socket),
@@ -543,7 +567,12 @@ class WorkerSupervisor:
             s.state = "stopped"
 
 
-_ERROR_LINE = re.compile(r"^\S*(Error|Exception|Mismatch)\b.*?: .+|^ERROR .+|.*\berror: .+")
+_ERROR_LINE = re.compile(
+    r"(\(\S+ pid=\d+\) )?("  # vLLM prefixes its engine core's lines so
+    r"[\w.]*(Error|Exception|Mismatch): .+"  # a Python exception's last line
+    r"|ERROR \d\d-\d\d .+"  # vLLM's own error lines
+    r"|lumend [\w-]+: .+"  # lumend's commands (gms-server) on a bad start
+    r"|\S+: error: .+)")  # argparse
 _LOG_TAIL_BYTES = 64 * 1024
 
 
@@ -558,7 +587,7 @@ def last_error(log_path: Path) -> str | None:
         return None
     for line in reversed(tail):
         line = line.strip()
-        if _ERROR_LINE.match(line):
+        if _ERROR_LINE.fullmatch(line) and "See root cause above" not in line:
             return line if len(line) <= 400 else line[:397] + "..."
     return None
 

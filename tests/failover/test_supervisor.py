@@ -275,3 +275,32 @@ def test_a_vllm_outside_the_supported_range_is_refused(
         run(scenario())
     assert "worker v0 cannot start its vllm engines: vllm 0.34.0 is installed, but LUMEN " \
         "supports vLLM >=0.32,<0.34" in caplog.text
+
+
+def test_a_gms_server_that_cannot_run_backs_off_and_lumend_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A runtime directory whose socket path AF_UNIX cannot bind: every GMS start fails.
+    runtime = tmp_path / ("r" * 110)
+    worker = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=0, model="sim-small",
+                          port=free_ports(1)[0])
+    sup = WorkerSupervisor("node-1", worker, SimAdapter(), runtime_dir=runtime,
+                           log_dir=tmp_path / "logs",
+                           timing=SupervisorTiming(tick_s=0.02, backoff_first_s=0.1,
+                                                   backoff_max_s=0.4))
+    backoffs: list[float] = []
+
+    async def scenario() -> None:
+        async with running(sup):
+            deadline = time.monotonic() + 60
+            while len(backoffs) < 4:
+                if sup.counters.gms_restarts > len(backoffs):
+                    backoffs.append(sup._gms_backoff_s)
+                assert time.monotonic() < deadline, f"GMS restarts: {backoffs}"
+                await asyncio.sleep(0.005)
+
+    with caplog.at_level(logging.WARNING, logger="lumend.failover"):
+        run(scenario())
+    assert backoffs == [0.1, 0.2, 0.4, 0.4], "a GMS server that cannot run is restarted at once"
+    assert "GMS server of w0 exited (1: OSError: AF_UNIX path too long); restarting it in " \
+        "0.1 s" in caplog.text
