@@ -81,6 +81,7 @@ class _Gate:
         """POST to this engine's own sleep endpoints (from a thread: never from the event
         loop that must serve the call). At start the server may not listen yet."""
         deadline = time.monotonic() + (SERVER_UP_TIMEOUT_S if wait_for_server else 60.0)
+        failures = 0
         while True:
             try:
                 request = urllib.request.Request(
@@ -89,6 +90,13 @@ class _Gate:
                 with urllib.request.urlopen(request, timeout=120):
                     return
             except OSError as exc:
+                failures += 1
+                # A wake right after a failover can fail while the driver still frees the
+                # dead engine's memory: retried (bounded), and said so every ~5 s.
+                if not wait_for_server and failures % 25 == 1:
+                    log.warning("engine %s: POST %s failed (%s), attempt %d; retrying for "
+                                "%.0f s more", self.engine_id, path, exc, failures,
+                                max(0.0, deadline - time.monotonic()))
                 if time.monotonic() > deadline:
                     # An engine that cannot sleep or wake must not serve: exit, the
                     # supervisor restarts it and the worker's other engines carry on.
