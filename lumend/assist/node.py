@@ -77,12 +77,14 @@ class AssistLinks:
         headers = control_headers(active[0].id)
         try:
             async with session.get(url) as r:
-                if r.status == 404:
+                # 404: no /lumen/assist; 409: a vLLM worker without `assist = true`
+                if r.status in (404, 409):
                     if assignment is not None and worker.name not in self._warned:
                         self._warned.add(worker.name)
-                        log.warning("worker %s was assigned drafter %s, but its engine does "
-                                    "not serve /lumen/assist: no draft-assist there",
-                                    worker.name, assignment.recovering)
+                        log.warning("worker %s was assigned drafter %s, but its engine takes "
+                                    "no drafts (no /lumen/assist, or the worker's assist is "
+                                    "off): no draft-assist there", worker.name,
+                                    assignment.recovering)
                     return
                 r.raise_for_status()
                 info: dict[str, Any] = await r.json()
