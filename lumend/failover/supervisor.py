@@ -57,6 +57,7 @@ class SupervisorTiming:
     # An engine (or GMS server) that exits with an error sooner than this after it was
     # ready is failing too (a wake that cannot get memory, weights that changed): back off.
     stable_s: float = 60.0
+    takeover_wait_s: float = 120.0  # engines wait this long for a shadow to take over
     stop_grace_s: float = 10.0
 
 
@@ -232,7 +233,11 @@ class WorkerSupervisor:
         """One engine starts at a time, and none while a shadow takes over."""
         busy = next((s for s in self.slots
                      if s is not slot and s.alive and not s.became_ready), None)
+        # Bounded: a shadow that has not taken over by then (its wake retries for 60 s) is
+        # not worth keeping the lost engine's replacement waiting for.
         taking_over = (self.pending_failover is not None
+                       and time.monotonic() - self.pending_failover.detected_at
+                       < self.timing.takeover_wait_s
                        and any(s.alive and s.state == "standby" for s in self.slots))
         if busy is None and not taking_over:
             self._waiting_logged = None
