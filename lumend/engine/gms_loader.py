@@ -208,10 +208,18 @@ class GmsWeights:
         return platform.base(mapping)
 
     def seal(self) -> None:
-        """After the writer's commit: its mappings become read-only, like every reader's."""
+        """After the writer's commit: its mappings become read-only, like every reader's
+        (a stray write then faults here too instead of changing every engine's weights).
+        A driver that refuses to lower access leaves the writer as it was, and says so."""
         for mapping in self.mappings:
-            if mapping.writable:
+            if not mapping.writable:
+                continue
+            try:
                 mapping.set_access(False)
+            except (OSError, RuntimeError) as exc:  # CudaError is a RuntimeError
+                log.warning("could not make GMS allocation %d read-only in the writer (%s); "
+                            "it stays writable in this engine, read-only in the others",
+                            mapping.allocation, exc)
 
     def unmap(self) -> None:
         """Sleep: drop the weights from this process, keep their addresses reserved."""
