@@ -98,6 +98,14 @@ def local_call(method: str, url: str, token: str = "", body: str | None = None
         return int(exc.code), exc.read().decode()
 
 
+def active(port: int) -> bool:
+    try:
+        status, text = local_call("GET", f"http://127.0.0.1:{port}/lumen/engine")
+    except OSError:  # not listening yet
+        return False
+    return status == 200 and json.loads(text)["state"] == "active"
+
+
 @pytest.fixture
 def namespace() -> Iterator[Namespace]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -120,8 +128,7 @@ def engine(tiny_llama: Path, tmp_path: Path) -> Iterator[int]:
         stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while local_call("GET", f"http://127.0.0.1:{port}/lumen/engine")[0] != 200 or \
-                '"active"' not in local_call("GET", f"http://127.0.0.1:{port}/lumen/engine")[1]:
+        while not active(port):
             assert proc.poll() is None, f"vLLM exited; see {log}"
             assert time.monotonic() < deadline, f"vLLM not ready; see {log}"
             time.sleep(1)
