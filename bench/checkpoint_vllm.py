@@ -155,7 +155,12 @@ def pages_bench(blocks: int, threads: int) -> None:
     )
 
     torch.set_num_threads(threads)
-    service, holder_done = start_holder()
+    # The holder in a process of its own, as on another node (one in this process would
+    # share its interpreter lock with the engine side being measured).
+    holder = subprocess.Popen([sys.executable, __file__, "--holder-only"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    endpoint = holder.stdout.readline().strip()
     rows = []
     try:
         for label, shape in (("tiny Llama", TINY), ("Llama-3-70B TP4", LLAMA70B_TP4)):
@@ -164,12 +169,9 @@ def pages_bench(blocks: int, threads: int) -> None:
             per_layer = [os.urandom(layer) for _ in range(blocks * shape["layers"])]
             per_block = [os.urandom(page) for _ in range(blocks)]
             wires = {
-                "layer": wire_seconds(service.endpoint, per_layer, f"{label}-layer",
-                                      windowed=False),
-                "block": wire_seconds(service.endpoint, per_block, f"{label}-block",
-                                      windowed=False),
-                "now": wire_seconds(service.endpoint, per_block, f"{label}-now",
-                                    windowed=True),
+                "layer": wire_seconds(endpoint, per_layer, f"{label}-layer", windowed=False),
+                "block": wire_seconds(endpoint, per_block, f"{label}-block", windowed=False),
+                "now": wire_seconds(endpoint, per_block, f"{label}-now", windowed=True),
             }
             rate = copy["blocks_per_s"]
             old_copy = (blocks / rate["old_save"], blocks / rate["old_load"])
@@ -185,7 +187,7 @@ def pages_bench(blocks: int, threads: int) -> None:
                              blocks / (copy_save + wire[0]), blocks / copy_load,
                              blocks / wire[1], blocks / (copy_load + wire[1]), wire[2]))
     finally:
-        holder_done.set()
+        stop_process(holder)
     print(f"\nLumenConnector pages on CPU ({threads} torch thread(s)), {blocks} blocks, one "
           "holder on loopback; blocks/s (copy = KV cache <-> host, wire = holder round trips)")
     print(f"{'model':<16} {'path':<50} {'page B':>8} {'save copy':>10} {'save wire':>10} "
@@ -205,7 +207,14 @@ def main() -> None:
                         help="the page copy and wire table (no engine)")
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--holder-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.holder_only:  # --pages' holder: prints its endpoint, runs until stdin closes
+        service, done = start_holder()
+        print(service.endpoint, flush=True)
+        sys.stdin.read()
+        done.set()
+        return
     if args.pages:
         pages_bench(args.blocks, args.threads)
         return
