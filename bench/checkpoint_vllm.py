@@ -158,9 +158,9 @@ def pages_bench(blocks: int, threads: int) -> None:
     # The holder in a process of its own, as on another node (one in this process would
     # share its interpreter lock with the engine side being measured).
     holder = subprocess.Popen([sys.executable, __file__, "--holder-only"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert holder.stdout is not None
-    endpoint = holder.stdout.readline().strip()
+    endpoint = holder.stdout.readline().decode().strip()
     rows = []
     try:
         for label, shape in (("tiny Llama", TINY), ("Llama-3-70B TP4", LLAMA70B_TP4)):
@@ -188,8 +188,8 @@ def pages_bench(blocks: int, threads: int) -> None:
                              blocks / wire[1], blocks / (copy_load + wire[1]), wire[2]))
     finally:
         stop_process(holder)
-    print(f"\nLumenConnector pages on CPU ({threads} torch thread(s)), {blocks} blocks, one "
-          "holder on loopback; blocks/s (copy = KV cache <-> host, wire = holder round trips)")
+    print(f"\nLumenConnector pages on CPU ({threads} torch thread(s)), {blocks} blocks, a "
+          "holder process on loopback; blocks/s (copy = KV cache <-> host, wire = holder round trips)")
     print(f"{'model':<16} {'path':<50} {'page B':>8} {'save copy':>10} {'save wire':>10} "
           f"{'save':>8} {'load copy':>10} {'load wire':>10} {'load':>8} {'lost':>5}")
     for label, path, size, *rates, lost in rows:
