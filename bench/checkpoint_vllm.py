@@ -189,7 +189,8 @@ def pages_bench(blocks: int, threads: int) -> None:
     finally:
         stop_process(holder)
     print(f"\nLumenConnector pages on CPU ({threads} torch thread(s)), {blocks} blocks, a "
-          "holder process on loopback; blocks/s (copy = KV cache <-> host, wire = holder round trips)")
+          "holder process on loopback; blocks/s (copy = KV cache <-> host, wire = holder round "
+          "trips)")
     print(f"{'model':<16} {'path':<50} {'page B':>8} {'save copy':>10} {'save wire':>10} "
           f"{'save':>8} {'load copy':>10} {'load wire':>10} {'load':>8} {'lost':>5}")
     for label, path, size, *rates, lost in rows:
