@@ -31,6 +31,11 @@ class Backend(Protocol):
 
     def free(self, fd: int) -> None: ...
 
+    def reader_fd(self, fd: int) -> int | None:
+        """A new fd for `fd`'s memory that lets readers map it read-only and nothing more
+        (the caller closes it), or None when access is granted per mapping instead."""
+        ...
+
 
 class HostBackend:
     name = "host"
@@ -56,6 +61,11 @@ class HostBackend:
 
     def free(self, fd: int) -> None:
         os.close(fd)
+
+    def reader_fd(self, fd: int) -> int | None:
+        # A read-only open of the memfd: a reader cannot map it writable, nor mprotect a
+        # read-only mapping to writable (EACCES), so its PROT_READ is not just a default.
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 class CudaBackend:
@@ -89,6 +99,9 @@ class CudaBackend:
         close_quietly(fd)
         # Importers hold their own references: the memory goes when the last one unmaps.
         self.device.release(handle)
+
+    def reader_fd(self, fd: int) -> int | None:
+        return None  # the importer sets read-only access per mapping (cuMemSetAccess)
 
 
 def make_backend(name: str, device: int = 0) -> Backend:

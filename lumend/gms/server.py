@@ -99,6 +99,7 @@ class GmsServer:
         self._ids = itertools.count(1)
         self._sessions = itertools.count(1)
         self._listener: socket.socket | None = None
+        self._sent_once: set[int] = set()  # fds to close once their reply has gone
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -149,7 +150,13 @@ class GmsServer:
                 payload = await _read_frame(conn)
                 request = decode_request(payload)
                 reply, fds = await self._handle(session, request)
-                await _send(conn, reply, fds)
+                try:
+                    await _send(conn, reply, fds)
+                finally:
+                    for fd in fds:
+                        if fd in self._sent_once:  # made for this reply only
+                            self._sent_once.discard(fd)
+                            os.close(fd)
         except FrameError as exc:
             self.counters.bad_frames += 1
             log.warning("GMS session %d: %s; closing it", session.id, exc)
@@ -239,8 +246,15 @@ class GmsServer:
         alloc = self.allocations.get(req.allocation)
         if alloc is None:
             raise RequestError(f"no allocation {req.allocation}")
+        writable = session.role == "writer"
+        fd = alloc.fd
+        if not writable:
+            reader_fd = self.backend.reader_fd(alloc.fd)
+            if reader_fd is not None:
+                fd = reader_fd
+                self._sent_once.add(fd)
         return {"id": req.id, "ok": True, "allocation": alloc.id, "size": alloc.size,
-                "tag": alloc.tag, "writable": session.role == "writer"}, [alloc.fd]
+                "tag": alloc.tag, "writable": writable}, [fd]
 
     def _put_tensor(self, session: Session, req: PutTensor) -> dict[str, Any]:
         self._require_writer(session)

@@ -15,7 +15,7 @@ import torch
 
 from lumend.gms.client import GmsClient
 from lumend.gms.cuda_vmm import MapState
-from lumend.gms.host_vmm import HostMapping, host_tensor_base
+from lumend.gms.host_vmm import HostMapError, HostMapping, host_tensor_base
 from lumend.gms.protocol import TensorMeta
 
 from .conftest import GmsProcess
@@ -69,6 +69,28 @@ def test_a_readers_write_is_a_sigsegv_and_its_reads_see_the_writers_bytes(
         assert int(base[0]) == 7
         out = in_reader(gms, "print('still', view[0], flush=True)\n")
         assert out.returncode == 0 and "still 7" in out.stdout  # one copy, seen by both
+
+
+def test_a_reader_cannot_make_its_mapping_writable(gms: GmsProcess) -> None:
+    writer, _ = commit_blob(gms)
+    with writer, gms.client() as reader:
+        reader.hello("reader")
+        _, tensors, _ = reader.layout()
+        m = reader.map_fixed(tensors[0].allocation)
+        # GMS hands readers a read-only fd: PROT_WRITE is refused, not merely not asked for.
+        with pytest.raises(HostMapError, match=r"mprotect.*Permission denied"):
+            m.set_access(True)
+        assert not m.writable
+        m.close()
+        # Each reader fd is made for one reply: the server does not keep them.
+        def server_fds() -> int:
+            reader.stats()  # the session answers in order: the last reply's fd is closed
+            return len(list(Path(f"/proc/{gms.proc.pid}/fd").iterdir()))
+
+        before = server_fds()
+        for _ in range(20):
+            reader.map_fixed(tensors[0].allocation).close()
+        assert server_fds() == before
 
 
 def test_a_sealed_writer_faults_like_a_reader(gms: GmsProcess) -> None:
