@@ -2,10 +2,13 @@
 recovering worker's draft server, vLLM verifies them.
 
 `LumenRemoteProposer` is a speculative-decoding proposer (`speculative_config` method
-`custom_class`), loaded by vLLM in each worker process. On every step it sends the draft
-server, per running request, only the newly committed tokens, and returns the drafts that
-arrive within a deadline well below the step time. Detached (the default), late, or above
-the batch-size threshold, it proposes nothing: vLLM then decodes as without speculation.
+`custom_class`), loaded by vLLM in each worker process of a worker with `assist = true`
+(opt-in: with it vLLM runs every step as speculative decoding, without async scheduling
+and on its older model runner, even while nothing is attached; bench/spec_cost.py).
+On every step it sends the draft server, per running request, only the newly committed
+tokens, and returns the drafts that arrive within a deadline well below the step time.
+Detached (the default), late, or above the batch-size threshold, it proposes nothing: vLLM
+then decodes as without speculation.
 vLLM's rejection sampler keeps the output exactly what the target model produces (greedy:
 the longest matching prefix plus one token). Only tensor-parallel rank 0 talks to the
 drafter; vLLM takes the drafts from that rank.
