@@ -236,6 +236,7 @@ class GmsWeights:
         from lumend.gms.client import LayoutMismatch
 
         self.connect("reader")
+        remapped: list[WeightMapping] = []
         try:
             _, _, committed = self.client.layout()
             if committed != self.layout_hash:
@@ -245,7 +246,10 @@ class GmsWeights:
                     "restart this engine to load the new layout")
             for mapping in self.mappings:
                 self.client.remap(mapping)  # readers are granted read-only access
+                remapped.append(mapping)
         except BaseException:
+            for mapping in remapped:  # all or nothing: a later wake starts from unmapped
+                mapping.unmap()
             self.client.close()
             self.client = None
             raise
