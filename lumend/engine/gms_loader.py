@@ -418,6 +418,13 @@ def _map_model(weights: GmsWeights, platform: Platform, vllm_config: Any, model_
         try:
             with platform.processing(), weights_already_processed():
                 process_weights_after_loading(model, model_config, platform.device)
+        except RuntimeError as exc:
+            if "pre-processed" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"{exc}: a GMS reader rebuilds post-processed weights on the meta device, "
+                "which this quantization method cannot do; run this worker's engines "
+                "without the GMS worker (each then loads its own copy)") from exc
         finally:
             if untied:
                 model_config.word_embeddings_untied_by_checkpoint = untied
