@@ -460,26 +460,30 @@ class Gateway:
         return ResumePlan.restart(req, progress)
 
     async def _clean_cut(self, target: Target, progress: Progress) -> int | None:
-        """How many of the generated ids to resume after: the most whose text is exactly the
-        text received (an id whose text an engine still held back, such as the first bytes
-        of a UTF-8 character, is generated again rather than resumed after: an engine that
-        starts from a partial character cannot print it)."""
+        """How many of the generated ids to resume after: the most that end on a whole
+        character. An engine sends text once it is whole, so the ids after the last whole
+        character (the first bytes of one, at most a few tokens) are the ones whose text
+        the client does not have yet: they are generated again rather than resumed after,
+        because an engine that starts from a prompt ending inside a character cannot print
+        it. The cut whose text is exactly the text received is taken; `/detokenize` renders
+        special tokens, which streams skip, so without one the last cut that ends on a whole
+        character is."""
         assert progress.prompt_ids is not None
-        prompt = progress.prompt_ids
+        prompt, ids = progress.prompt_ids, progress.ids
         base = await self._detokenize(target, prompt)
         if base is None:
             return None
         want = base + progress.raw_text
-        ids = progress.ids
+        whole: int | None = None
         for cut in range(len(ids), max(-1, len(ids) - CUT_WINDOW), -1):
             text = await self._detokenize(target, [*prompt, *ids[:cut]])
             if text is None:
                 return None
             if text == want:
                 return cut
-            if len(text) < len(want) and not want.startswith(text.rstrip("\ufffd")):
-                break
-        return None
+            if whole is None and not text.endswith("\ufffd"):
+                whole = cut
+        return whole
 
     async def _max_model_len(self, target: Target) -> int | None:
         """The target model's context length (`/v1/models`), remembered per worker."""

@@ -204,6 +204,13 @@ async def detokenize(session: aiohttp.ClientSession, url: str, model: str,
         return str((await r.json())["prompt"])
 
 
+def first_difference(got: Result, ref: Result) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids, strict=False))
+               if a != b), min(len(got.token_ids), len(ref.token_ids)))
+    return (f"id {at} of {len(got.token_ids)}/{len(ref.token_ids)}: "
+            f"{got.token_ids[max(0, at - 3):at + 3]} vs {ref.token_ids[max(0, at - 3):at + 3]}")
+
+
 def status_workers(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return list(doc["workers"])
 
@@ -314,8 +321,9 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
                 assert got.text == sampled_text[i], \
                     f"{case.name}: the text is not the text of its ids (repeated or lost)"
                 continue
+            assert got.token_ids == ref.token_ids, (
+                f"{case.name}: ids differ after the kill at {first_difference(got, ref)}")
             assert got.text == ref.text, f"{case.name}: text differs after the kill"
-            assert got.token_ids == ref.token_ids, f"{case.name}: ids differ after the kill"
             assert got.finish == ref.finish, case.name
             if case.body.get("return_token_ids"):
                 assert got.prompt_ids == ref.prompt_ids, case.name
