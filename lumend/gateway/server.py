@@ -554,12 +554,15 @@ class Gateway:
             entries = token_logprobs(piece.logprobs, chat_upstream)
             if progress.again_ids and ids:
                 n = min(len(ids), len(progress.again_ids))
-                if ids[:n] != progress.again_ids[:n]:
+                if ids[:n] == progress.again_ids[:n]:
+                    progress.ids += ids[:n]
+                    del progress.again_ids[:n]
+                    ids, entries = ids[n:], entries[n:]
+                elif req.want_ids or progress.again_text:
                     raise Diverged(f"generated ids {ids[:n]} where the client has "
                                    f"{progress.again_ids[:n]}")
-                progress.ids += ids[:n]
-                del progress.again_ids[:n]
-                ids, entries = ids[n:], entries[n:]
+                else:  # sampled again differently, but the client never saw those ids
+                    progress.again_ids.clear()
             progress.ids += ids
             text = piece.text
             progress.raw_text += text
