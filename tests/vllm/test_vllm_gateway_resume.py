@@ -357,12 +357,12 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
                 after = await r.text()
             sampled = await sampled_stream_across_a_kill(session, etcd, base)
 
-        got, before, case = sampled
+        got, had, case = sampled
         assert got.status == 200 and not got.errors, got.errors
         assert got.usage is not None
         assert got.usage["completion_tokens"] == case.body["max_tokens"], "sampled: length"
-        assert got.text.startswith(before) and len(before) >= 8
-        assert got.text.count(before[:8]) == 1, "sampled: the text before the kill repeats"
+        assert got.text.startswith(had) and len(had) >= 8
+        assert got.text.count(had[:8]) == 1, "sampled: the text before the kill repeats"
         for case, got in zip(all_cases, results, strict=True):
             ref = reference[case.name]
             assert got.status == 200 and not got.errors, (case.name, got.errors)
