@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what LUMEN needs from the OS, or says exactly what is missing.
 #   etcd-server      the etcd binary (tests and `make demo` start their own members)
+#   etcd-client      etcdctl, which tests use to write malformed records into etcd
 #   libsystemd-dev   headers for the `systemd` extra (systemd-python), with pkg-config
 #   systemd          systemd-analyze, which the unit-file tests run (systemd need not be PID 1)
 #   openssl          the etcd role makes its CA and certificates with it
@@ -8,6 +9,7 @@ set -euo pipefail
 
 missing=()
 command -v etcd >/dev/null 2>&1 || [ -n "${LUMEN_ETCD_BIN:-}" ] || missing+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the etcd role's PKI (Ansible tests)
 if ! command -v pkg-config >/dev/null 2>&1; then
