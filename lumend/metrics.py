@@ -239,6 +239,12 @@ class GatewayCollector(Collector):
         for decision, n in sorted(c.routed.items()):
             routed.add_metric([decision], n)
         yield routed
+        streams = GaugeMetricFamily(
+            "lumen_gateway_streams_in_flight", "Engine streams this gateway has open, by "
+            "worker.", labels=["worker"])
+        for worker, n in sorted(self._gateway.in_flight.items()):
+            streams.add_metric([worker], n)
+        yield streams
         yield CounterMetricFamily(
             "lumen_gateway_restarts", "Resumes recomputed from the request's start (guided "
             "decoding, or no clean text boundary), skipping what the client had.",
