@@ -45,8 +45,8 @@ CLUSTER = "vresume"
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ' \
        '"prompt_lookup_min": 1}'
 ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-               "--speculative-config", SPEC)
-KILL_AFTER = 24  # tokens every watched stream has before the kill
+               "--block-size", "32", "--speculative-config", SPEC)
+KILL_AFTER = 64  # tokens every watched stream has before the kill (2+ full blocks)
 
 
 @pytest.fixture(scope="module")
