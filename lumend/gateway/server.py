@@ -450,7 +450,8 @@ class Gateway:
         if (not req.guided and progress.prompt_ids is not None and progress.ids
                 and not progress.again_text):
             cut = await self._clean_cut(target, progress)
-            context = None if req.limit is not None else await self._max_model_len(target)
+            context = (None if cut is None or req.limit is not None
+                       else await self._max_model_len(target))
             if cut is not None and (req.limit is not None or context is not None):
                 return ResumePlan.by_cut(req, progress, cut, context)
             log.warning("no clean text boundary in the last %d tokens (or no /detokenize on "

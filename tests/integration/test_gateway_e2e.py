@@ -34,6 +34,37 @@ def engine_metric(url: str, name: str) -> float:
     return 0.0
 
 
+async def streams_survive_a_kill(cluster: LocalCluster, base: str, text: str) -> str:
+    """Streams through `base` while the active engine of the worker running most of them is
+    SIGKILLed; every stream must equal the failure-free one. Returns the victim's name."""
+    async with aiohttp.ClientSession() as session:
+        wait_gateway = time.monotonic() + 30
+        while True:  # the gateway reads the cluster once per HA cycle
+            async with session.get(base + "/health") as r:
+                if r.status == 200 and (await r.json())["serving_workers"] == 2:
+                    break
+            assert time.monotonic() < wait_gateway, "the gateway never saw a worker"
+            await asyncio.sleep(0.1)
+        # The coordinator decides from its own view, read once per HA cycle (1 s): until
+        # it has seen the other worker serving, it has no holder to place checkpoints on.
+        await asyncio.sleep(2.5)
+        streams = await Streams.start(session, base, text)
+        # Kill the engine the streams run on: wait until a heartbeat shows them (load
+        # is published once per HA cycle; on a busy machine the first read is stale).
+        deadline = time.monotonic() + 15
+        while True:
+            view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
+            victim = max(view.workers.values(), key=lambda w: w.load.running)
+            if victim.load.running > 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        pid = next(e.pid for e in victim.engines if e.role == "active")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await streams.check_against_failure_free()
+        return victim.name
+
+
 def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluster) -> None:
     cluster = local_cluster(size=2, lease_ttl_s=3, shadows=0,
                             engine_args=("--time-scale", "2.0"))
@@ -49,31 +80,7 @@ def test_streams_through_lumend_survive_an_engine_kill(local_cluster: MakeCluste
     base = cluster.node("node-1").gateway
 
     async def scenario() -> None:
-        async with aiohttp.ClientSession() as session:
-            wait_gateway = time.monotonic() + 30
-            while True:  # the gateway reads the cluster once per HA cycle
-                async with session.get(base + "/health") as r:
-                    if r.status == 200 and (await r.json())["serving_workers"] == 2:
-                        break
-                assert time.monotonic() < wait_gateway, "the gateway never saw a worker"
-                await asyncio.sleep(0.1)
-            # The coordinator decides from its own view, read once per HA cycle (1 s): until
-            # it has seen the other worker serving, it has no holder to place checkpoints on.
-            await asyncio.sleep(2.5)
-            streams = await Streams.start(session, base, "stream {} of the end-to-end test")
-            # Kill the engine the streams run on: wait until a heartbeat shows them (load
-            # is published once per HA cycle; on a busy machine the first read is stale).
-            deadline = time.monotonic() + 15
-            while True:
-                view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
-                victim = max(view.workers.values(), key=lambda w: w.load.running)
-                if victim.load.running > 0 or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            pid = next(e.pid for e in victim.engines if e.role == "active")
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
-            await streams.check_against_failure_free()
+        await streams_survive_a_kill(cluster, base, "stream {} of the end-to-end test")
         log = cluster.node("node-1").log_text()
         assert "resuming request" in log, "no stream was interrupted: the test is void"
         # Streams were checkpointed to a holder on the other node, and the interrupted ones
@@ -110,31 +117,8 @@ def test_with_a_coordinator_a_worker_with_a_shadow_continues_its_streams(
     wait_until(serving, 90, "both workers serving with a shadow")
     base = cluster.node("node-1").gateway
 
-    async def scenario() -> str:
-        async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 30
-            while True:
-                async with session.get(base + "/health") as r:
-                    if r.status == 200 and (await r.json())["serving_workers"] == 2:
-                        break
-                assert time.monotonic() < deadline, "the gateway never saw a worker"
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(2.5)
-            streams = await Streams.start(session, base, "stream {} with a shadow behind it")
-            deadline = time.monotonic() + 15
-            while True:
-                view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
-                victim = max(view.workers.values(), key=lambda w: w.load.running)
-                if victim.load.running > 0 or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            pid = next(e.pid for e in victim.engines if e.role == "active")
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
-            await streams.check_against_failure_free()
-            return victim.name
-
-    victim = asyncio.run(scenario())
+    victim = asyncio.run(streams_survive_a_kill(cluster, base,
+                                                "stream {} with a shadow behind it"))
     node = cluster.node("node-1")
     log = node.log_text()
     assert f"continues on {victim}: its shadow engine took over" in log, \
