@@ -31,8 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lumenctl.localcluster import free_ports
 
 
-def serve(engine_port: int, gateway_port: int, workdir: str, time_scale: float) -> None:
+def serve(engine_port: int, gateway_port: int, workdir: str, time_scale: float,
+          profile: str | None) -> None:
     """The other process: a supervisor with one sim engine, and a gateway over it."""
+    if profile:  # the gateway's own time, for finding where a chunk's cost goes
+        import cProfile
+        import signal
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+
+        def dump(*_: object) -> None:
+            profiler.disable()
+            profiler.dump_stats(profile)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, dump)
     from lumend.cluster.view import ClusterView
     from lumend.config import WorkerConfig
     from lumend.engine.adapter import SimAdapter
@@ -133,15 +147,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=0.05,
                         help="the sim engine's time scale (smaller: faster engine)")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="profile the gateway's process (cProfile stats written to PATH)")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         engine_port, gateway_port, workdir = args.serve
-        serve(int(engine_port), int(gateway_port), workdir, args.time_scale)
+        serve(int(engine_port), int(gateway_port), workdir, args.time_scale, args.profile)
         return
     engine_port, gateway_port = free_ports(2)
     with tempfile.TemporaryDirectory() as workdir:
         proc = subprocess.Popen([sys.executable, __file__, "--time-scale", str(args.time_scale),
+                                 *(["--profile", args.profile] if args.profile else []),
                                  "--serve", str(engine_port), str(gateway_port), workdir],
                                 stdout=subprocess.PIPE, text=True)
         try:

@@ -17,6 +17,7 @@ class Out:
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token, chat shape
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    more: bool = False  # more output is ready behind this one: a writer may hold it for it
 
 
 def token_logprobs(logprobs: dict[str, Any] | None, chat: bool) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from lumend.cluster.view import ClusterView
@@ -583,7 +584,8 @@ class Gateway:
             progress.text += released
             if finish is not None:
                 progress.finish_reason, progress.stop_reason = finish, stop_reason
-            await on_out(Out(released, tuple(ids), entries, finish, stop_reason))
+            await on_out(Out(released, tuple(ids), entries, finish, stop_reason,
+                             more=finish is None and upstream.more_ready()))
             if finish is not None:
                 return
         if progress.finish_reason is None:  # [DONE] without a finish_reason
@@ -732,11 +734,17 @@ class Gateway:
         renderer = self._renderer(req, rid)
         progress = Progress()
 
+        held: list[bytes] = []  # chunks rendered while more output was ready
+
         async def write(data: bytes) -> None:
+            if held:
+                data = b"".join((*held, data))
+                held.clear()
             try:
                 if not response.prepared:
                     await response.prepare(request)
-                await asyncio.wait_for(response.write(data), self.timing.client_write_s)
+                async with asyncio.timeout(self.timing.client_write_s):
+                    await response.write(data)
             except TimeoutError:
                 raise ClientGone(f"the client read nothing for "
                                  f"{self.timing.client_write_s:g} s") from None
@@ -744,8 +752,9 @@ class Gateway:
                 raise ClientGone(str(exc)) from None
 
         async def send(out: Out) -> None:
-            for chunk in renderer.chunks(out, progress.prompt_ids):
-                await write(_sse(chunk))
+            held.extend(_sse(chunk) for chunk in renderer.chunks(out, progress.prompt_ids))
+            if not out.more and held:
+                await write(b"")
 
         try:
             try:
@@ -836,8 +845,11 @@ class ResumePlan:
         progress.again_ids = list(self.again_ids)
 
 
+_encode = msgspec.json.Encoder()
+
+
 def _sse(data: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
+    return b"data: " + _encode.encode(data) + b"\n\n"
 
 
 async def _json(request: web.Request) -> Any:
