@@ -23,12 +23,10 @@ coordinator's other epoch-guarded writes (`lead_ops`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
@@ -44,14 +42,18 @@ from lumend.cluster.models import (
 )
 from lumend.cluster.store import Delete, Op, Put
 from lumend.cluster.view import ClusterView
+from lumend.coordinator.loadbook import (
+    REQUEST_TTL_S,
+    Admitted,
+    Held,
+    LoadBook,
+    Table,
+    target_of,
+)
 from lumend.coordinator.plans import RETAIN_S, STALE_S, advance, new_plan, with_decision
 from lumend.coordinator.policy import (
-    LoadSnapshot,
-    PolicyConfig,
-    WorkerLoad,
     assist_target,
     least_loaded,
-    load_hat,
     place_checkpoint,
 )
 from lumend.coordinator.policy import recover as policy_recover
@@ -62,8 +64,9 @@ from lumend.rpc.messages import (
     CheckpointRef,
     RecoverAsk,
     Recovery,
-    Target,
 )
+
+__all__ = ["Admitted", "CoordinatorService", "Held", "NotReady", "eligible", "target_of"]
 
 log = logging.getLogger("lumend.coordinator")
 
@@ -74,38 +77,6 @@ class NotReady(Exception):
     """The coordinator has not read the cluster yet."""
 
 
-@dataclass
-class Admitted:
-    worker: str
-    checkpoint: CheckpointRef | None
-    gateway: str
-
-
-@dataclass
-class Held:
-    holder: str
-    bytes: int
-    tokens: int
-
-
-@dataclass(frozen=True)
-class _Table:
-    """One decision's inputs: workers in name order and the load snapshot over them."""
-
-    workers: list[WorkerRecord]
-    snapshot: LoadSnapshot
-    cfg: PolicyConfig
-
-    def index(self, name: str | None) -> int | None:
-        for i, w in enumerate(self.workers):
-            if w.name == name:
-                return i
-        return None
-
-    def load(self, i: int) -> float:
-        return load_hat(self.snapshot, i, self.cfg)
-
-
 def eligible(view: ClusterView, worker: WorkerRecord) -> bool:
     """Serving, registered, with engines, and not drained: only such a worker is admitted
     to, holds new checkpoints or takes an interrupted request. A drain intent counts from
@@ -114,20 +85,14 @@ def eligible(view: ClusterView, worker: WorkerRecord) -> bool:
             and not any(i.kind == "drain" for i in view.intents_for(worker)))
 
 
-def target_of(worker: WorkerRecord) -> Target:
-    active = [e.url for e in worker.engines if e.role == "active"]
-    others = [e.url for e in worker.engines if e.role != "active"]
-    return Target(worker.name, worker.node, worker.model, (*active, *others))
-
-
 class CoordinatorService:
     def __init__(self, node: str, epoch: int, view: Callable[[], ClusterView | None], *,
-                 plan_retain_s: float = RETAIN_S, plan_stale_s: float = STALE_S) -> None:
+                 plan_retain_s: float = RETAIN_S, plan_stale_s: float = STALE_S,
+                 request_ttl_s: float = REQUEST_TTL_S) -> None:
         self.node = node
         self.epoch = epoch
         self._view = view
-        self.requests: dict[str, Admitted] = {}
-        self.held: dict[str, Held] = {}  # ckpt id -> what its holder reported
+        self.book = LoadBook(eligible, ttl_s=request_ttl_s)
         self.decisions: Counter[str] = Counter()  # admit, no_worker, resume, recompute, ...
         self._event_seq = 0
         # Recovery plans changed here and not yet read back from etcd, by failed worker.
@@ -135,31 +100,23 @@ class CoordinatorService:
         self._plan_retain_s = plan_retain_s
         self._plan_stale_s = plan_stale_s
 
+    @property
+    def requests(self) -> Mapping[str, Admitted]:
+        """Requests admitted here and not finished (nor expired), by id."""
+        return self.book.requests
+
+    @property
+    def held(self) -> Mapping[str, Held]:
+        """What each checkpoint's holder reported, by checkpoint id."""
+        return self.book.held
+
     # -- inputs -------------------------------------------------------------------------------
 
-    def _table(self, view: ClusterView, alive: Callable[[WorkerRecord], bool],
-               extra_queue: str | None = None, spread_for: str | None = None) -> _Table:
-        """`spread_for`: a serving worker whose checkpoint is being placed; each peer weighs
-        one byte more per checkpoint of that worker it was given, so holders that tie on
-        L_hat take turns (a burst of admissions otherwise gives every checkpoint of the
-        last worker in each round to the same peer, and its failure to that one holder)."""
-        workers = sorted(view.workers.values(), key=lambda w: w.name)
-        in_flight = Counter(r.worker for r in self.requests.values())
-        held: Counter[str] = Counter()
-        for h in self.held.values():
-            held[h.holder] += h.bytes
-        if spread_for is not None:
-            held.update(r.checkpoint.holder for r in self.requests.values()
-                        if r.worker == spread_for and r.checkpoint is not None)
-        rows = []
-        for w in workers:
-            queue = max(w.load.running + w.load.waiting, in_flight[w.name])
-            rows.append(WorkerLoad(
-                name=w.name, node=w.node,
-                ckpt_bytes=float(max(w.checkpoints.bytes_held, held[w.name])),
-                queue=queue + (w.name == extra_queue),
-                budget_bytes=float(w.checkpoints.budget_bytes), alive=alive(w)))
-        return _Table(workers, LoadSnapshot.from_workers(rows), policy_config(view.settings))
+    def _table(self, view: ClusterView, alive: Callable[[WorkerRecord], bool]) -> Table:
+        """The load table over the workers `alive` accepts (cold paths: O(workers))."""
+        cols = self.book.columns(view)
+        return self.book.table(cols, tuple(ok and alive(w) for ok, w in
+                                           zip(cols.eligible, cols.workers, strict=True)))
 
     def _read(self) -> ClusterView:
         view = self._view()
@@ -172,32 +129,32 @@ class CoordinatorService:
     def admit(self, request_id: str, model: str | None, gateway: str,
               exclude: Sequence[str] = ()) -> Admission:
         view = self._read()
-        skip = set(exclude)
-
-        def serves(w: WorkerRecord) -> bool:
-            return eligible(view, w) and w.name not in skip and model in (None, "", w.model)
-
-        table = self._table(view, serves)
+        book = self.book
+        cols = book.columns(view)
+        alive: Sequence[bool] = cols.serving(model)
+        skip = [i for i in map(cols.index.get, exclude) if i is not None] if exclude else ()
+        if skip:
+            alive = list(alive)
+            for i in skip:
+                alive[i] = False
+        table = book.table(cols, alive)
         mode = table.cfg.mode.value
         index = least_loaded(table.snapshot, table.cfg)
         if index is None:
             self.decisions["no_worker"] += 1
             what = f"model {model!r}" if model else "any model"
             return Admission(self.epoch, None, None,
-                             f"no serving worker for {what} ({len(skip)} excluded)", mode)
-        worker = table.workers[index]
+                             f"no serving worker for {what} ({len(set(exclude))} excluded)",
+                             mode)
+        worker = cols.workers[index]
         reason = f"admitted to {worker.name} (L_hat {table.load(index):.3g}, the lowest)"
-        holders = self._table(view, lambda w: eligible(view, w), extra_queue=worker.name,
-                              spread_for=worker.name)
         # The size is not known up front; one byte asks for a holder with any budget at all.
-        # The serving worker's index in the holders' table (not in the admission table,
-        # which may leave workers out: other models, excluded ones).
-        serving = holders.index(worker.name)
-        h = (place_checkpoint(holders.snapshot, serving, 1.0, holders.cfg)
-             if serving is not None else None)
+        # The holders' table spans every worker, so the serving worker's index is the same.
+        holders = book.holders_table(cols, index)
+        h = place_checkpoint(holders.snapshot, index, 1.0, holders.cfg)
         ckpt = None
         if h is not None:
-            holder = holders.workers[h]
+            holder = cols.workers[h]
             ckpt = CheckpointRef(uuid.uuid4().hex, holder.name,
                                  "tcp://" + view.nodes[holder.node].checkpoint)
             reason += f"; checkpoint on {holder.name} (L_hat {holders.load(h):.3g})"
@@ -205,12 +162,17 @@ class CoordinatorService:
             reason += "; no checkpoint" + (" (policy stop_and_restart)"
                                             if not table.cfg.checkpoints else
                                             " (no holder has budget)")
-        self.requests[request_id] = Admitted(worker.name, ckpt, gateway)
+        book.admit(request_id, worker.name, ckpt, gateway, view)
         self.decisions["admit"] += 1
-        return Admission(self.epoch, target_of(worker), ckpt, reason, mode)
+        return Admission(self.epoch, cols.target(index), ckpt, reason, mode)
 
     def finish(self, request_id: str) -> bool:
-        return self.requests.pop(request_id, None) is not None
+        return self.book.finish(request_id) is not None
+
+    def finish_many(self, request_ids: Iterable[str]) -> int:
+        """Finish a batch; returns how many were known here."""
+        finish = self.book.finish
+        return sum(finish(r) is not None for r in request_ids)
 
     def recover(self, ask: RecoverAsk) -> Recovery:
         view = self._read()
@@ -218,14 +180,11 @@ class CoordinatorService:
         model = failed.model if failed is not None else ask.model
 
         def survives(w: WorkerRecord) -> bool:
-            return (eligible(view, w) and w.name != ask.failed_worker
-                    and model in ("", w.model))
+            return w.name != ask.failed_worker and model in ("", w.model)
 
         # The request leaves the failed worker's queue before the decision.
-        known = self.requests.get(ask.request_id)
+        known = self.book.unassign(ask.request_id)
         checkpoint = ask.checkpoint or (known.checkpoint if known else None)
-        if known is not None:
-            known.worker = ""
         table = self._table(view, survives)
         mode = table.cfg.mode.value
         holder = table.index(checkpoint.holder) if checkpoint is not None else None
@@ -238,7 +197,7 @@ class CoordinatorService:
         worker = table.workers[route.worker]
         kind: Literal["resume", "recompute"] = "resume" if route.resume else "recompute"
         self.decisions[kind] += 1
-        self.requests[ask.request_id] = Admitted(worker.name, checkpoint, ask.gateway)
+        self.book.admit(ask.request_id, worker.name, checkpoint, ask.gateway, view)
         if checkpoint is None:
             why = "no checkpoint"
         elif holder is None:
@@ -279,25 +238,23 @@ class CoordinatorService:
 
     def progress(self, report: CheckpointProgress) -> bool:
         """Record one holder report; returns whether this coordinator placed that checkpoint."""
-        if report.bytes == 0:
-            self.held.pop(report.ckpt_id, None)
-        else:
-            self.held[report.ckpt_id] = Held(report.holder, report.bytes, report.tokens)
-        return any(r.checkpoint is not None and r.checkpoint.ckpt_id == report.ckpt_id
-                   for r in self.requests.values())
+        return self.book.progress(report)
 
     def loads(self) -> dict[str, float]:
         """L_hat of every live worker as the next decision would see it (inf: not serving)."""
-        view = self._read()
-        table = self._table(view, lambda w: eligible(view, w))
-        return {w.name: table.load(i) if table.snapshot.alive[i] else math.inf
-                for i, w in enumerate(table.workers)}
+        return self.book.loads(self._read())
+
+    def expire(self, view: ClusterView | None = None) -> int:
+        """Forget requests whose gateway is gone or that outlived the TTL (also done on
+        every new view); returns how many."""
+        return self.book.expire(view if view is not None else self._view())
 
     # -- the coordinator's writes, every HA cycle ----------------------------------------------
 
     def lead_ops(self, view: ClusterView, keys: Keys, now: float | None = None) -> list[Op]:
         """Everything this coordinator writes this cycle (guarded by its epoch)."""
         now = time.time() if now is None else now
+        self.book.columns(view)  # a new view: its heartbeats in, dead gateways' requests out
         return self.assist_ops(view, keys, now) + self.recovery_ops(view, keys, now)
 
     def recovery_ops(self, view: ClusterView, keys: Keys, now: float | None = None) -> list[Op]:

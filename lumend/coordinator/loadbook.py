@@ -1,0 +1,336 @@
+"""The coordinator's load book: what it admitted and what holders report, counted per change.
+
+One job: keep the inputs of Algorithms 1-3 current so that a decision reads them instead of
+rescanning every request in flight and every checkpoint held. Per change (admit, finish,
+recover, progress) the work is O(1); per view (one per HA cycle) it is O(workers) plus the
+entries that expire. A decision then costs O(workers) in C-level scans (the policy's
+`loads`, `min`, `index` over 64 workers: a few microseconds), independent of how many
+requests are in flight.
+
+What it keeps, and the column a decision reads:
+* requests admitted (or recovered) here and not finished, by id; per serving worker their
+  count; per (serving worker, holder) the checkpoints placed (the holder table's spread);
+  per checkpoint id how many requests carry it (whether a progress report is ours);
+* bytes reported per checkpoint and their sum per holder;
+* per view: workers in name order, the heartbeat's queue and bytes, eligibility, budgets,
+  nodes, the policy config, and the two live columns `queue = max(heartbeat, count here)`
+  and `ckpt = max(heartbeat bytes, bytes reported)`, updated in place per change.
+
+Entries leave on Finish, and also expire (issue 14 item 6): when the node whose gateway
+admitted them is gone from the view or restarted (another `started_at`), and after
+`REQUEST_TTL_S` in any case (a Finish lost with a failed call).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from lumend.cluster.models import WorkerRecord
+from lumend.cluster.view import ClusterView
+from lumend.coordinator.policy import LoadSnapshot, PolicyConfig, load_hat
+from lumend.coordinator.settings import policy_config
+from lumend.rpc.messages import CheckpointProgress, CheckpointRef, Target
+
+# A request admitted and never finished is forgotten after this long (no stream lasts an
+# hour; a Finish lost with its call would otherwise count against its worker forever).
+REQUEST_TTL_S = 3600.0
+# Expiry is by buckets of admission time: O(expired entries) per view, no scan.
+BUCKET_S = 60.0
+
+
+@dataclass
+class Admitted:
+    worker: str  # "" while its recovery is being decided or found no survivor
+    checkpoint: CheckpointRef | None
+    gateway: str
+    at: float = 0.0  # when it entered the book (the book's clock)
+    # The gateway's node `started_at` at admission; None: the gateway is not a node of the
+    # view (then only the TTL expires it).
+    gateway_started: float | None = None
+
+
+@dataclass
+class Held:
+    holder: str
+    bytes: int
+    tokens: int
+
+
+def target_of(worker: WorkerRecord) -> Target:
+    active = [e.url for e in worker.engines if e.role == "active"]
+    others = [e.url for e in worker.engines if e.role != "active"]
+    return Target(worker.name, worker.node, worker.model, (*active, *others))
+
+
+@dataclass
+class Columns:
+    """One view's workers in name order and the columns decisions read over them."""
+
+    view: ClusterView
+    workers: list[WorkerRecord]
+    index: dict[str, int]
+    nodes: tuple[str, ...]
+    budget: tuple[float, ...]
+    eligible: tuple[bool, ...]
+    hb_queue: list[int]
+    hb_bytes: list[int]
+    held: list[int]  # live: bytes reported here
+    queue: list[int]  # live: max(heartbeat running + waiting, admitted here)
+    ckpt: list[float]  # live: float(max(heartbeat bytes held, bytes reported here))
+    cfg: PolicyConfig
+    # live, built on first use: per serving worker, its checkpoints placed on each worker
+    spread: dict[str, list[int]] = field(default_factory=dict)
+    _by_model: dict[str | None, tuple[bool, ...]] = field(default_factory=dict)
+    _targets: dict[int, Target] = field(default_factory=dict)
+
+    def serving(self, model: str | None) -> tuple[bool, ...]:
+        """Eligible workers of `model` (None or "": any)."""
+        alive = self._by_model.get(model)
+        if alive is None:
+            alive = self.eligible if not model else tuple(
+                ok and w.model == model for ok, w in zip(self.eligible, self.workers,
+                                                         strict=True))
+            self._by_model[model] = alive
+        return alive
+
+    def target(self, i: int) -> Target:
+        t = self._targets.get(i)
+        if t is None:
+            t = self._targets[i] = target_of(self.workers[i])
+        return t
+
+
+@dataclass(frozen=True)
+class Table:
+    """One decision's inputs: workers in name order and the load snapshot over them."""
+
+    workers: list[WorkerRecord]
+    snapshot: LoadSnapshot
+    cfg: PolicyConfig
+    _index: dict[str, int]
+
+    def index(self, name: str | None) -> int | None:
+        return None if name is None else self._index.get(name)
+
+    def load(self, i: int) -> float:
+        return load_hat(self.snapshot, i, self.cfg)
+
+
+class LoadBook:
+    def __init__(self, eligible: Callable[[ClusterView, WorkerRecord], bool], *,
+                 ttl_s: float = REQUEST_TTL_S, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self._eligible = eligible
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self.requests: dict[str, Admitted] = {}
+        self.held: dict[str, Held] = {}  # ckpt id -> what its holder reported
+        self._queued: Counter[str] = Counter()  # serving worker -> requests here
+        self._held_bytes: Counter[str] = Counter()  # holder -> bytes reported
+        self._spread: dict[str, Counter[str]] = {}  # serving worker -> holder -> checkpoints
+        self._placed: Counter[str] = Counter()  # ckpt id -> requests carrying it
+        self._by_gateway: dict[tuple[str, float], set[str]] = {}
+        self._buckets: dict[int, set[str]] = {}
+        self._cols: Columns | None = None
+        self.expired: Counter[str] = Counter()  # entries forgotten without Finish, by why
+
+    # -- requests -----------------------------------------------------------------------
+
+    def admit(self, request_id: str, worker: str, checkpoint: CheckpointRef | None,
+              gateway: str, view: ClusterView | None = None) -> Admitted:
+        """Record a request served by `worker` (replacing an entry of the same id)."""
+        self.finish(request_id)
+        node = view.nodes.get(gateway) if view is not None and gateway else None
+        entry = Admitted(worker, checkpoint, gateway, self._clock(),
+                         node.started_at if node is not None else None)
+        self.requests[request_id] = entry
+        self._count(entry, 1)
+        if entry.gateway_started is not None:
+            self._by_gateway.setdefault((gateway, entry.gateway_started), set()).add(request_id)
+        self._buckets.setdefault(self._bucket(entry.at), set()).add(request_id)
+        return entry
+
+    def finish(self, request_id: str) -> Admitted | None:
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return None
+        self._count(entry, -1)
+        if entry.gateway_started is not None:
+            key = (entry.gateway, entry.gateway_started)
+            ids = self._by_gateway.get(key)
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del self._by_gateway[key]
+        bucket = self._bucket(entry.at)
+        ids = self._buckets.get(bucket)
+        if ids is not None:
+            ids.discard(request_id)
+            if not ids:
+                del self._buckets[bucket]
+        return entry
+
+    def unassign(self, request_id: str) -> Admitted | None:
+        """The request leaves its worker's queue (its recovery is being decided)."""
+        entry = self.requests.get(request_id)
+        if entry is not None and entry.worker:
+            self._count(entry, -1)
+            entry.worker = ""
+            self._count(entry, 1)
+        return entry
+
+    def _count(self, entry: Admitted, delta: int) -> None:
+        worker = entry.worker
+        if worker:
+            n = self._queued[worker] + delta
+            if n:
+                self._queued[worker] = n
+            else:
+                del self._queued[worker]
+            self._refresh_queue(worker)
+        ckpt = entry.checkpoint
+        if ckpt is None:
+            return
+        placed = self._placed[ckpt.ckpt_id] + delta
+        if placed:
+            self._placed[ckpt.ckpt_id] = placed
+        else:
+            del self._placed[ckpt.ckpt_id]
+        if worker:
+            spread = self._spread.get(worker)
+            if spread is None:
+                spread = self._spread[worker] = Counter()
+            n = spread[ckpt.holder] + delta
+            if n:
+                spread[ckpt.holder] = n
+            else:
+                del spread[ckpt.holder]
+                if not spread:
+                    del self._spread[worker]
+            cols = self._cols
+            if cols is not None:
+                column = cols.spread.get(worker)
+                i = cols.index.get(ckpt.holder)
+                if column is not None and i is not None:
+                    column[i] += delta
+
+    def _refresh_queue(self, worker: str) -> None:
+        cols = self._cols
+        if cols is not None:
+            i = cols.index.get(worker)
+            if i is not None:
+                cols.queue[i] = max(cols.hb_queue[i], self._queued[worker])
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def progress(self, report: CheckpointProgress) -> bool:
+        """Record one holder report; returns whether a request here carries that checkpoint."""
+        old = self.held.pop(report.ckpt_id, None)
+        if old is not None:
+            self._add_bytes(old.holder, -old.bytes)
+        if report.bytes != 0:
+            self.held[report.ckpt_id] = Held(report.holder, report.bytes, report.tokens)
+            self._add_bytes(report.holder, report.bytes)
+        return report.ckpt_id in self._placed
+
+    def _add_bytes(self, holder: str, delta: int) -> None:
+        n = self._held_bytes[holder] + delta
+        if n:
+            self._held_bytes[holder] = n
+        else:
+            del self._held_bytes[holder]
+        cols = self._cols
+        if cols is not None:
+            i = cols.index.get(holder)
+            if i is not None:
+                cols.held[i] = n
+                cols.ckpt[i] = float(max(cols.hb_bytes[i], n))
+
+    # -- per view -----------------------------------------------------------------------
+
+    def columns(self, view: ClusterView) -> Columns:
+        cols = self._cols
+        if cols is not None and cols.view is view:
+            return cols
+        self.expire(view)
+        workers = sorted(view.workers.values(), key=lambda w: w.name)
+        hb_queue = [w.load.running + w.load.waiting for w in workers]
+        hb_bytes = [w.checkpoints.bytes_held for w in workers]
+        queued = self._queued
+        held = [self._held_bytes[w.name] for w in workers]
+        cols = Columns(
+            view=view, workers=workers, index={w.name: i for i, w in enumerate(workers)},
+            nodes=tuple(w.node for w in workers),
+            budget=tuple(float(w.checkpoints.budget_bytes) for w in workers),
+            eligible=tuple(self._eligible(view, w) for w in workers),
+            hb_queue=hb_queue, hb_bytes=hb_bytes, held=held,
+            queue=[max(q, queued[w.name]) for q, w in zip(hb_queue, workers, strict=True)],
+            ckpt=list(map(float, map(max, hb_bytes, held))),
+            cfg=policy_config(view.settings))
+        self._cols = cols
+        return cols
+
+    def table(self, cols: Columns, alive: Sequence[bool]) -> Table:
+        return Table(cols.workers, LoadSnapshot(nodes=cols.nodes, ckpt_bytes=cols.ckpt,
+                                                queue=cols.queue, budget_bytes=cols.budget,
+                                                alive=alive), cols.cfg, cols.index)
+
+    def holders_table(self, cols: Columns, serving: int) -> Table:
+        """The holders' table for a checkpoint of `serving`: its queue one longer (the
+        request being admitted) and each peer one byte heavier per checkpoint of `serving`
+        it was given, so holders that tie on L_hat take turns (a burst of admissions
+        otherwise gives every checkpoint of the last worker in each round to the same
+        peer, and its failure to that one holder)."""
+        queue = cols.queue.copy()
+        queue[serving] += 1
+        name = cols.workers[serving].name
+        column = cols.spread.get(name)
+        if column is None:
+            placed = self._spread.get(name, {})
+            column = cols.spread[name] = [placed.get(w.name, 0) for w in cols.workers]
+        # float(max(heartbeat bytes, reported bytes + checkpoints placed)), in C-level maps.
+        ckpt = list(map(float, map(max, cols.hb_bytes, map(operator.add, cols.held, column))))
+        return Table(cols.workers, LoadSnapshot(nodes=cols.nodes, ckpt_bytes=ckpt, queue=queue,
+                                                budget_bytes=cols.budget, alive=cols.eligible),
+                     cols.cfg, cols.index)
+
+    def loads(self, view: ClusterView) -> dict[str, float]:
+        cols = self.columns(view)
+        t = self.table(cols, cols.eligible)
+        return {w.name: t.load(i) if cols.eligible[i] else math.inf
+                for i, w in enumerate(cols.workers)}
+
+    # -- expiry -------------------------------------------------------------------------
+
+    def expire(self, view: ClusterView | None = None, now: float | None = None) -> int:
+        """Forget entries whose gateway's node left `view` or restarted, and those older
+        than the TTL. Returns how many were forgotten."""
+        now = self._clock() if now is None else now
+        gone = 0
+        if view is not None:
+            for key in [k for k in self._by_gateway if _gateway_gone(view, *k)]:
+                for request_id in list(self._by_gateway.get(key, ())):
+                    if self.finish(request_id) is not None:
+                        gone += 1
+                        self.expired["gateway_gone"] += 1
+        oldest = self._bucket(now - self._ttl_s)
+        for bucket in [b for b in self._buckets if b < oldest]:
+            for request_id in list(self._buckets.get(bucket, ())):
+                if self.finish(request_id) is not None:
+                    gone += 1
+                    self.expired["ttl"] += 1
+        return gone
+
+    @staticmethod
+    def _bucket(at: float) -> int:
+        return int(at // BUCKET_S)
+
+
+def _gateway_gone(view: ClusterView, gateway: str, started_at: float) -> bool:
+    node = view.nodes.get(gateway)
+    return node is None or node.started_at != started_at
