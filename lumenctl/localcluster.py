@@ -25,6 +25,13 @@ ETCD_INSTALL_HINT = (
 )
 
 
+# etcd's own hygiene in a local cluster, as the etcd role should set it in production:
+# history older than the retention is compacted by etcd itself (the coordinator also
+# compacts, fenced), and the backend's quota is explicit, so NOSPACE comes at a known size.
+ETCD_AUTO_COMPACTION_RETENTION = "5m"
+ETCD_QUOTA_BACKEND_BYTES = 1 << 30
+
+
 def free_ports(count: int) -> list[int]:
     """Ports the kernel hands out as free right now (held open together so they differ)."""
     sockets = []
@@ -92,10 +99,17 @@ class EtcdMember:
 
 
 class EtcdCluster:
-    """One or more etcd members on loopback, each with its own data directory."""
+    """One or more etcd members on loopback, each with its own data directory.
 
-    def __init__(self, workdir: Path, size: int = 1) -> None:
+    `auto_compaction_retention` (etcd's periodic mode; None: no auto-compaction) and
+    `quota_backend_bytes` (None: etcd's default, 2 GiB) are etcd's hygiene flags."""
+
+    def __init__(self, workdir: Path, size: int = 1, *,
+                 auto_compaction_retention: str | None = ETCD_AUTO_COMPACTION_RETENTION,
+                 quota_backend_bytes: int | None = ETCD_QUOTA_BACKEND_BYTES) -> None:
         self.workdir = workdir
+        self.auto_compaction_retention = auto_compaction_retention
+        self.quota_backend_bytes = quota_backend_bytes
         ports = free_ports(2 * size)
         self.members = [
             EtcdMember(
@@ -116,6 +130,12 @@ class EtcdCluster:
         binary = etcd_binary()
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        hygiene: list[str] = []
+        if self.auto_compaction_retention is not None:
+            hygiene += ["--auto-compaction-mode", "periodic",
+                        "--auto-compaction-retention", self.auto_compaction_retention]
+        if self.quota_backend_bytes is not None:
+            hygiene += ["--quota-backend-bytes", str(self.quota_backend_bytes)]
         for m in self.members:
             log = m.log_path.open("ab")
             m.proc = subprocess.Popen(
@@ -130,6 +150,7 @@ class EtcdCluster:
                     "--initial-cluster", initial,
                     "--initial-cluster-state", "new",
                     "--initial-cluster-token", f"lumen-{os.getpid()}-{id(self)}",
+                    *hygiene,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

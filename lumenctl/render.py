@@ -33,6 +33,16 @@ def status_tables(doc: dict[str, Any]) -> RenderableType:
         if coordinator["decision"]:
             head.append(f"\n  {coordinator['decision']}", style="dim")
 
+    etcd = doc.get("etcd")
+    if etcd is not None:
+        head.append(f"\n  etcd {etcd['endpoint']}: database {_size(etcd['db_size_bytes'])}",
+                    style="dim")
+        for alarm in etcd["alarms"]:
+            head.append(f"\n  etcd alarm {alarm}: etcd refuses writes until it is cleared",
+                        style="bold red")
+        if etcd["fix"]:
+            head.append(f"\n  to clear it: {etcd['fix']}", style="red")
+
     nodes = Table(title="nodes", title_justify="left", expand=False)
     for column in ("NODE", "ADDRESS", "STATE", "WORKERS", "INTENTS", "SEEN", "STATUS"):
         nodes.add_column(column)

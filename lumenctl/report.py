@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from lumend.cluster.models import AssistAssignment, Event, Intent, RecoveryPlan, WorkerRecord
+from lumend.cluster.store import NOSPACE, NOSPACE_FIX
 from lumend.cluster.view import ClusterView
 
 
@@ -46,6 +47,7 @@ def status_document(view: ClusterView) -> dict[str, Any]:
     return {
         "cluster": view.cluster,
         "revision": view.revision,
+        "etcd": _etcd(view),
         "coordinator": coordinator,
         "nodes": nodes,
         "workers": workers,
@@ -53,6 +55,20 @@ def status_document(view: ClusterView) -> dict[str, Any]:
         "assists": [_assist(a) for _, a in sorted(view.assists.items())],
         "recoveries": [_recovery(p) for _, p in sorted(view.recoveries.items())],
         "problems": [{"key": p.key, "reason": p.reason} for p in view.problems],
+    }
+
+
+def _etcd(view: ClusterView) -> dict[str, Any] | None:
+    """etcd's own health as read with the view: database size, alarms, and for NOSPACE the
+    command that clears it (etcd refuses every write until then)."""
+    store = view.store
+    if store is None:
+        return None
+    return {
+        "endpoint": store.endpoint,
+        "db_size_bytes": store.db_size_bytes,
+        "alarms": list(store.alarms),
+        "fix": NOSPACE_FIX if NOSPACE in store.alarms else None,
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,10 @@ from lumend.cluster.models import (
     encode_value,
 )
 from lumend.cluster.store import (
-    Delete,
+    MAX_TXN_OPS,
+    NOSPACE,
+    NOSPACE_FIX,
+    DeleteRange,
     Op,
     Put,
     Store,
@@ -42,6 +46,16 @@ from lumend.cluster.view import ClusterView, build_view
 log = logging.getLogger(__name__)
 
 EVENTS_KEPT = 1000
+# While elected, the coordinator trims the events to EVENTS_KEPT this often (and once when
+# elected), and compacts etcd's history: to the revision it read at the previous compaction,
+# and never closer than COMPACT_KEEP_REVISIONS to the current one (so a reader a little
+# behind is not refused), and checks etcd's alarms. Module constants until [etcd] has keys.
+TRIM_EVERY_S = 60.0
+COMPACT_EVERY_S = 300.0
+COMPACT_KEEP_REVISIONS = 1000
+# A worker record unchanged in every meaningful field is rewritten this often at most (its
+# keys live on the lease; the rewrite only refreshes `updated_at` for `lumenctl status`).
+WORKER_REFRESH_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,10 @@ class ClusterAgent:
         *,
         wall_clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        trim_every_s: float = TRIM_EVERY_S,
+        compact_every_s: float = COMPACT_EVERY_S,
+        compact_keep_revisions: int = COMPACT_KEEP_REVISIONS,
+        worker_refresh_s: float = WORKER_REFRESH_S,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -101,7 +119,7 @@ class ClusterAgent:
             store, timing.lease_ttl_s, margin_s=timing.lease_margin_s, clock=monotonic
         )
         self.election = Election(store, keys)
-        self.fence = EpochFence()
+        self.fence = EpochFence(self._verify_epoch)
         # Called with the new epoch on election and with None on stepping down, so the
         # node starts and stops its Coordinator service with the role.
         self.role_listeners: list[Callable[[int | None], None]] = []
@@ -110,11 +128,26 @@ class ClusterAgent:
         self.view: ClusterView | None = None
         self._started_at = wall_clock()
         self._heartbeat_lease: int | None = None
-        self._heartbeat_at = float("-inf")
-        self._heartbeat_body: tuple[bytes, ...] = ()
+        # What each record last written looked like (coarsely, see _meaningful) and when.
+        self._written: dict[str, tuple[bytes, float]] = {}
+        self._worker_refresh_s = worker_refresh_s
+        self.heartbeat_writes = 0  # records written by heartbeats (tests and metrics)
+        # The coordinator's housekeeping: event trimming, compaction, alarms.
+        self._trim_every_s = trim_every_s
+        self._compact_every_s = compact_every_s
+        self._compact_keep = compact_keep_revisions
+        self._trimmed_at = float("-inf")
+        self._compact_checked_at = float("-inf")
+        self._compact_next: int | None = None  # revision read at the previous check
+        self.compacted_revision = 0
+        self.trim_failures = 0
+        self.compact_failures = 0
+        self.alarms: tuple[str, ...] = ()  # etcd's alarms at the last check
+        self.store_status_db_bytes: int | None = None
         self._status_at = float("-inf")
         self._status_body = b""
         self._event_seq = 0
+        self._pending_events: list[Put] = []  # written with the next guarded batch
         self._reported_problems: set[str] = set()
         # Read by the daemon's watchdog, sd_notify and metrics (lumend/notify.py, metrics.py).
         self.cycles = 0
@@ -152,6 +185,12 @@ class ClusterAgent:
         for listener in self.role_listeners:
             listener(value)
 
+    async def _verify_epoch(self, epoch: int) -> bool:
+        """The fence's check of a higher epoch than seen: is it the coordinator key's
+        create revision now? (One linearizable read; see lumend/cluster/fencing.py.)"""
+        kv = await self._store.get(self._keys.coordinator)
+        return kv is not None and kv.create_revision == epoch
+
     @property
     def is_coordinator(self) -> bool:
         return self.epoch is not None
@@ -183,8 +222,16 @@ class ClusterAgent:
                     delay = backoff.next()
                     outcome = "etcd_unavailable"
                 except StoreError as exc:
-                    sentence = self._lost_contact(f"etcd refused a request: {exc}")
-                    self.lease.forget()  # e.g. "lease not found": start over with a new lease
+                    if _is_nospace(exc):
+                        # Not the lease's fault: keep it (keepalives still work) and say
+                        # what clears the alarm.
+                        self._note_alarms((NOSPACE,), None)
+                        sentence = self._lost_contact(
+                            f"etcd is out of space (NOSPACE alarm) and refuses writes; "
+                            f"{NOSPACE_FIX}")
+                    else:
+                        sentence = self._lost_contact(f"etcd refused a request: {exc}")
+                        self.lease.forget()  # e.g. "lease not found": start with a new one
                     delay = backoff.next()
                     outcome = "etcd_error"
                 self._say(sentence)
@@ -287,7 +334,8 @@ class ClusterAgent:
             [self._event("coordinator_elected", f"{self._me.name} became coordinator, "
                          f"epoch {epoch}{after}", epoch)],
         )
-        await self._trim_events(epoch)
+        self._trimmed_at = float("-inf")  # trim at once: the last term may have stopped short
+        self._compact_checked_at = float("-inf")
         return await self._lead(view)
 
     async def _lead(self, view: ClusterView) -> str:
@@ -296,15 +344,17 @@ class ClusterAgent:
         assert epoch is not None
         members = sorted(view.nodes)
         previous = view.coordinator_status
-        ops: list[Op] = []
-        for duty in self.lead_duties:
-            ops += duty(view, epoch)
+        # Each duty's writes stay together in one transaction; membership events one each.
+        groups: list[list[Op]] = [list(duty(view, epoch)) for duty in self.lead_duties]
         if previous is not None:
             for node in sorted(set(members) - set(previous.members)):
-                ops.append(self._event("node_joined", f"node {node} joined", epoch))
+                groups.append([self._event("node_joined", f"node {node} joined", epoch)])
             for node in sorted(set(previous.members) - set(members)):
-                ops.append(self._event("node_left", f"node {node} left (lease expired or "
-                                       "stopped)", epoch))
+                groups.append([self._event("node_left", f"node {node} left (lease expired "
+                                           "or stopped)", epoch)])
+        groups += [[e] for e in self._pending_events]
+        self._pending_events.clear()
+        groups = [g for g in groups if g]
         decision = (
             f"coordinating as {self._me.name} (epoch {epoch}): {len(members)} nodes, "
             f"{len(view.workers)} workers, {len(view.intents)} intents"
@@ -317,19 +367,95 @@ class ClusterAgent:
                               members=members)
         )
         due = self._mono() - self._status_at >= self._timing.heartbeat_s
-        if ops or body != self._status_body or due:
-            ops.append(Put(self._keys.coordinator_status, encode_value(status)))
-            if not await self.election.guarded(epoch, ops):
+        if groups or body != self._status_body or due:
+            # The status goes last: the members it lists are what the next cycle compares
+            # with, so a batch that fails before it is written again, not lost.
+            groups.append([Put(self._keys.coordinator_status, encode_value(status))])
+            if not await self._guarded_batches(epoch, groups):
                 return self._step_down(f"a write guarded by epoch {epoch} was refused")
             self._status_at = self._mono()
             self._status_body = body
+        await self._housekeeping(epoch)
         return decision
 
-    async def _trim_events(self, epoch: int) -> None:
-        events = await self._store.get_prefix(self._keys.events)
-        excess = len(events.kvs) - EVENTS_KEPT
-        if excess > 0:
-            await self.election.guarded(epoch, [Delete(kv.key) for kv in events.kvs[:excess]])
+    async def _guarded_batches(self, epoch: int, groups: Sequence[Sequence[Op]]) -> bool:
+        """Write `groups` in epoch-guarded transactions of at most MAX_TXN_OPS operations,
+        a group never split unless it alone is larger; False once one is refused."""
+        for batch in _batches(groups, MAX_TXN_OPS):
+            if not await self.election.guarded(epoch, batch):
+                return False
+        return True
+
+    # -- the coordinator's housekeeping: events, compaction, alarms ----------------------
+
+    async def _housekeeping(self, epoch: int) -> None:
+        """Trim events and compact etcd when due. A failure here is logged, counted and
+        tried again later; it never ends the term (a coordinator that cannot trim can
+        still coordinate)."""
+        now = self._mono()
+        if now - self._trimmed_at >= self._trim_every_s:
+            self._trimmed_at = now
+            try:
+                await self._trim_events(epoch)
+            except StoreError as exc:
+                self.trim_failures += 1
+                log.warning("could not trim the events (tried again in %.0f s): %s",
+                            self._trim_every_s, exc)
+        if now - self._compact_checked_at >= self._compact_every_s:
+            self._compact_checked_at = now
+            try:
+                await self._compact(epoch)
+            except StoreError as exc:
+                self.compact_failures += 1
+                log.warning("could not compact etcd (tried again in %.0f s): %s",
+                            self._compact_every_s, exc)
+
+    async def _trim_events(self, epoch: int) -> int:
+        """Keep the newest EVENTS_KEPT events: one range delete below the oldest kept key
+        (event keys sort by time). Returns how many keys were above the limit (at least)."""
+        newest = await self._store.keys(self._keys.events, limit=EVENTS_KEPT + 1,
+                                        newest_first=True)
+        if len(newest) <= EVENTS_KEPT:
+            return 0
+        oldest_kept = newest[EVENTS_KEPT - 1]
+        if await self.election.guarded(epoch, [DeleteRange(self._keys.events, oldest_kept)]):
+            log.info("trimmed the events to the newest %d", EVENTS_KEPT)
+        return len(newest) - EVENTS_KEPT
+
+    async def _compact(self, epoch: int) -> None:
+        """Compact etcd's history, fenced: only while this node is confidently the
+        coordinator of `epoch` (checked by a guarded transaction just before). Also reads
+        etcd's alarms (NOSPACE) and database size."""
+        status = await self._store.status()
+        self.store_status_db_bytes = status.db_size_bytes
+        self._note_alarms(status.alarms, epoch)
+        target = min(self._compact_next or 0, status.revision - self._compact_keep)
+        self._compact_next = status.revision
+        if target <= self.compacted_revision:
+            return
+        if self.epoch != epoch or not self.lease.confident():
+            return
+        if not await self.election.guarded(epoch, []):
+            return  # deposed: the next cycle steps down
+        await self._store.compact(target)
+        self.compacted_revision = target
+        log.info("compacted etcd to revision %d (current %d, database %.1f MiB)", target,
+                 status.revision, status.db_size_bytes / 2**20)
+
+    def _note_alarms(self, alarms: tuple[str, ...], epoch: int | None) -> None:
+        if alarms == self.alarms:
+            return
+        raised = sorted(set(alarms) - set(self.alarms))
+        cleared = sorted(set(self.alarms) - set(alarms))
+        self.alarms = alarms
+        for alarm in raised:
+            log.error("etcd raised the %s alarm: it refuses every write until cleared; %s",
+                      alarm, NOSPACE_FIX if alarm == NOSPACE else "see `etcdctl alarm list`")
+        if cleared:
+            message = f"etcd alarm {', '.join(cleared)} cleared"
+            log.warning("%s", message)
+            if epoch is not None:
+                self._pending_events.append(self._event("etcd_alarm_cleared", message, epoch))
 
     def _step_down(self, why: str) -> str:
         epoch, self.epoch = self.epoch, None
@@ -350,26 +476,41 @@ class ClusterAgent:
     # -- node and worker keys -------------------------------------------------------------
 
     async def _heartbeat(self, status: str) -> None:
+        """Write this node's records that changed meaningfully (see `_meaningful`), all of
+        them on a new lease, the node record at least every two heartbeats (its
+        `updated_at` is what `lumenctl status` shows as SEEN) and a worker record at least
+        every `worker_refresh_s`. Liveness is the lease's, not the writes': an unchanged
+        record costs etcd nothing but its keepalive."""
         lease = self.lease.lease_id
         if lease is None:
             return
         node = self._node_record(status)
+        now = self._mono()
+        fresh_lease = lease != self._heartbeat_lease
+        records: list[tuple[str, NodeRecord | WorkerRecord, float]] = [
+            (self._keys.node(node.name), node, 2 * self._timing.heartbeat_s)]
         workers = list(self._workers())
-        body = (
-            encode_value(_without_time(node)),
-            *(encode_value(_without_time(w)) for w in workers),
-        )
-        due = self._mono() - self._heartbeat_at >= self._timing.heartbeat_s
-        if lease == self._heartbeat_lease and body == self._heartbeat_body and not due:
+        records += [(self._keys.worker(w.name), w, self._worker_refresh_s) for w in workers]
+        ops: list[Op] = []
+        written: list[tuple[str, bytes]] = []
+        for key, record, refresh_s in records:
+            body = _meaningful(record)
+            last = self._written.get(key)
+            if (fresh_lease or last is None or last[0] != body
+                    or now - last[1] >= refresh_s):
+                ops.append(Put(key, encode_value(record), lease))
+                written.append((key, body))
+        if not ops:
             return
-        ops: list[Op] = [Put(self._keys.node(node.name), encode_value(node), lease)]
-        ops += [Put(self._keys.worker(w.name), encode_value(w), lease) for w in workers]
-        await self._store.txn([], ops)
-        if lease != self._heartbeat_lease:
+        for batch in _batches([ops], MAX_TXN_OPS):
+            await self._store.txn([], batch)
+        if fresh_lease:
             log.info("registered node %s with %d workers", node.name, len(workers))
+            self._written.clear()
         self._heartbeat_lease = lease
-        self._heartbeat_at = self._mono()
-        self._heartbeat_body = body
+        self.heartbeat_writes += len(written)
+        for key, body in written:
+            self._written[key] = (body, now)
 
     def _node_record(self, status: str, state: str = "up") -> NodeRecord:
         me = self._me
@@ -427,11 +568,66 @@ class ClusterAgent:
                 log.warning("skipping a value under the LUMEN prefix: %s", text)
 
 
-def _without_time(record: NodeRecord | WorkerRecord) -> NodeRecord | WorkerRecord:
-    """The record minus its timestamp, to tell whether anything else changed."""
+def _meaningful(record: NodeRecord | WorkerRecord) -> bytes:
+    """What of a record, if it changed, is worth a write: everything but its timestamp,
+    with the load and checkpoint figures coarsened so that their jitter is not.
+
+    Who reads those figures, and why coarse is enough: the coordinator takes a worker's
+    queue as max(running + waiting here, the requests it admitted there itself) and its
+    checkpoint bytes as max(bytes here, what the holders' progress streams reported), so
+    these are a floor it corrects from first-hand counts (lumend/coordinator/service.py);
+    the gateways' fallback routing and `lumenctl status` only rank and show them. Exact
+    where a decision turns on the value: states, engines, zero versus non-zero requests
+    (what `drain --wait` waits for), draft-assist counters (copied into the assignment);
+    requests within 1/8 above 16; kv usage in 5% steps; checkpoint bytes in 1/32 of the
+    budget (any non-zero amount at least one step)."""
     import msgspec
 
-    return msgspec.structs.replace(record, updated_at=0.0)
+    if isinstance(record, NodeRecord):
+        return encode_value(msgspec.structs.replace(record, updated_at=0.0))
+    load = record.load
+    coarse_load = msgspec.structs.replace(
+        load, running=_coarse(load.running), waiting=_coarse(load.waiting),
+        kv_usage=round(load.kv_usage * 20) / 20,
+        ckpt_running=None if load.ckpt_running is None else _coarse(load.ckpt_running),
+        ckpt_complete=None if load.ckpt_complete is None else _coarse(load.ckpt_complete))
+    ckpt = record.checkpoints
+    step = max(1, ckpt.budget_bytes // 32)
+    coarse_ckpt = msgspec.structs.replace(
+        ckpt, bytes_held=math.ceil(ckpt.bytes_held / step), requests=_coarse(ckpt.requests))
+    return encode_value(msgspec.structs.replace(
+        record, updated_at=0.0, load=coarse_load, checkpoints=coarse_ckpt))
+
+
+def _coarse(n: int) -> int:
+    """`n` exactly up to 16, above that to its top four bits (steps of at most 1/8)."""
+    if n <= 16:
+        return n
+    shift = n.bit_length() - 4
+    return (n >> shift) << shift
+
+
+def _batches(groups: Sequence[Sequence[Op]], limit: int) -> list[list[Op]]:
+    """Pack `groups` in order into lists of at most `limit` operations, splitting a group
+    only when it alone is larger than `limit`."""
+    batches: list[list[Op]] = []
+    current: list[Op] = []
+    for group in groups:
+        if len(current) + len(group) > limit and current:
+            batches.append(current)
+            current = []
+        for op in group:
+            if len(current) == limit:
+                batches.append(current)
+                current = []
+            current.append(op)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _is_nospace(exc: StoreError) -> bool:
+    return "database space exceeded" in str(exc) or "RESOURCE_EXHAUSTED" in str(exc)
 
 
 class _Backoff:

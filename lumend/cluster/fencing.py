@@ -1,6 +1,14 @@
-"""Epoch fencing on the receiving side: a node obeys no coordinator older than one it has seen."""
+"""Epoch fencing on the receiving side: a node obeys only the coordinator etcd elected last."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+# Reads etcd: True when `epoch` is the coordinator key's create revision right now.
+EpochVerifier = Callable[[int], Awaitable[bool]]
 
 
 class StaleEpochError(Exception):
@@ -13,26 +21,67 @@ class StaleEpochError(Exception):
         )
 
 
-class EpochFence:
-    """Remembers the highest coordinator epoch seen (from etcd or from commands).
+class UnknownEpochError(StaleEpochError):
+    """An epoch above the highest seen that etcd does not confirm: not a coordinator's."""
 
-    The rule: a command carrying an epoch lower than the highest seen is refused. Epochs are
-    etcd create revisions of the coordinator key, so they only grow; a deposed coordinator
-    that wakes up (a GC pause, SIGSTOP, a partition) still carries its old, lower epoch.
+    def __init__(self, epoch: int, highest: int, why: str) -> None:
+        self.why = why
+        Exception.__init__(
+            self,
+            f"refused a command from coordinator epoch {epoch}: {why}, so no elected "
+            f"coordinator sent it (the highest epoch seen stays {highest})",
+        )
+        self.epoch = epoch
+        self.highest = highest
+
+
+class EpochFence:
+    """Remembers the highest coordinator epoch seen, and admits commands by it.
+
+    The rule: a command carrying an epoch lower than the highest seen is refused (the sender
+    is a deposed coordinator: epochs are etcd create revisions of the coordinator key, so they
+    only grow, and one that wakes from a GC pause, SIGSTOP or a partition still carries its
+    old, lower epoch). A command carrying a *higher* epoch is admitted, and raises the bar,
+    only after etcd confirms that it is the coordinator key's create revision now (`verify`,
+    one linearizable read); anything else is refused and leaves the bar where it was. So a
+    forged or corrupted epoch (2**62) can neither be obeyed nor lock out the real coordinator.
+    Epochs the HA loop reads from etcd itself (`observe`) need no confirmation.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, verify: EpochVerifier | None = None) -> None:
         self._highest = 0
+        self._verify = verify
+        self.unknown_refused = 0  # higher epochs etcd did not confirm
 
     @property
     def highest(self) -> int:
         return self._highest
 
     def observe(self, epoch: int) -> None:
+        """An epoch read from etcd (the coordinator key's create revision)."""
         self._highest = max(self._highest, epoch)
 
     def check(self, epoch: int) -> None:
-        """Admit a command from `epoch` (raising `StaleEpochError` if stale) and observe it."""
+        """Admit a command from `epoch` by what has been seen alone: the highest seen
+        passes, a lower one raises `StaleEpochError`, a higher (unconfirmed) one
+        `UnknownEpochError`. `admit` confirms a higher one first."""
         if epoch < self._highest:
             raise StaleEpochError(epoch, self._highest)
-        self._highest = epoch
+        if epoch > self._highest:
+            raise UnknownEpochError(epoch, self._highest, "it is higher than any seen and "
+                                    "was not confirmed in etcd")
+
+    async def admit(self, epoch: int) -> None:
+        """Admit a command from `epoch`, confirming a higher one in etcd first. Raises
+        `StaleEpochError` (or its `UnknownEpochError`) when refused; a `StoreError` from
+        the read means etcd could not say, and nothing changed."""
+        if epoch > self._highest:
+            current = self._verify is not None and await self._verify(epoch)
+            if not current:
+                self.unknown_refused += 1
+                error = UnknownEpochError(epoch, self._highest, "etcd says it is not the "
+                                          "current coordinator's epoch")
+                log.warning("%s", error)
+                raise error
+            self.observe(epoch)
+        self.check(epoch)

@@ -44,11 +44,24 @@ class KeyValue:
 
 
 @dataclass(frozen=True)
+class StoreStatus:
+    """One etcd member's health, as its Maintenance API reports it."""
+
+    endpoint: str
+    db_size_bytes: int
+    revision: int
+    alarms: tuple[str, ...]  # e.g. ("NOSPACE",), cluster-wide
+
+
+@dataclass(frozen=True)
 class Snapshot:
-    """All keys under a prefix, read at one revision."""
+    """All keys under a prefix, read at one revision. `store`: etcd's own health (database
+    size, alarms) read alongside, where the read asked for it (`get_prefix`): a NOSPACE
+    alarm cannot be written to any key, so readers learn of it this way."""
 
     kvs: list[KeyValue]
     revision: int
+    store: StoreStatus | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,29 @@ class Delete:
     key: str
 
 
-Op = Put | Delete
+@dataclass(frozen=True)
+class DeleteRange:
+    """Delete every key in [start, end): one operation however many keys it removes."""
+
+    start: str
+    end: str
+
+
+Op = Put | Delete | DeleteRange
+
+# etcd refuses a transaction with more than --max-txn-ops operations (128 by default) in
+# either branch. Everything LUMEN writes in one transaction stays at or under this.
+MAX_TXN_OPS = 100
+
+# The alarm etcd raises when its backend reaches --quota-backend-bytes: it then refuses
+# every write but deletes and compaction until an operator clears it (docs/operator-guide.md).
+NOSPACE = "NOSPACE"
+# The command that clears a NOSPACE alarm (docs/operator-guide.md, "etcd hygiene").
+NOSPACE_FIX = (
+    "compact and defragment etcd, then disarm the alarm: `rev=$(etcdctl endpoint status "
+    "-w json | grep -o '\"revision\":[0-9]*' | cut -d: -f2); etcdctl compact $rev; "
+    "etcdctl defrag --cluster; etcdctl alarm disarm` (docs/operator-guide.md, etcd hygiene)"
+)
 
 
 @dataclass(frozen=True)
@@ -104,6 +139,21 @@ class StoreError(Exception):
 
 class StoreConfigError(StoreError):
     """The client's own settings cannot work (an https endpoint without TLS files)."""
+
+
+class CommitUnknown(StoreError):
+    """A transaction was sent but its answer was lost: it may or may not have been applied.
+
+    Raised only for transactions marked `idempotent=False`; the caller must read back what
+    the transaction would have written instead of sending it again."""
+
+    def __init__(self, what: str, endpoint: str, last: str) -> None:
+        self.endpoint = endpoint
+        self.last = last
+        super().__init__(
+            f"etcd {what} on {endpoint}: the answer was lost ({last}); it may have been "
+            "applied, so it is read back rather than sent again"
+        )
 
 
 class StoreUnavailable(StoreError):
@@ -154,7 +204,9 @@ class Store(Protocol):
 
     async def get(self, key: str) -> KeyValue | None: ...
 
-    async def get_prefix(self, prefix: str) -> Snapshot: ...
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        """All keys under `prefix` at one revision, with etcd's status and alarms."""
+        ...
 
     async def read_prefixes(self, prefixes: Sequence[str]) -> Snapshot:
         """All keys under any of `prefixes`, read atomically at one revision."""
@@ -169,7 +221,26 @@ class Store(Protocol):
         compares: Sequence[CreateRevisionIs],
         success: Sequence[Op],
         read_on_failure: Sequence[str] = (),
-    ) -> TxnResult: ...
+        *,
+        idempotent: bool = True,
+    ) -> TxnResult:
+        """Apply `success` if every compare holds. An `idempotent` transaction is retried
+        on a lost answer like any call; one that is not raises `CommitUnknown` instead (a
+        claim that may have committed must be read back, not sent again)."""
+        ...
+
+    async def keys(self, prefix: str, *, limit: int = 0, newest_first: bool = False
+                   ) -> list[str]:
+        """The keys (no values) under `prefix` in key order, or reversed; `limit` 0: all."""
+        ...
+
+    async def status(self) -> StoreStatus:
+        """The answering member's database size and revision, and the cluster's alarms."""
+        ...
+
+    async def compact(self, revision: int) -> None:
+        """Drop the history of every key before `revision` (etcd compaction)."""
+        ...
 
     async def grant_lease(self, ttl_s: int) -> int: ...
 
@@ -295,7 +366,9 @@ class EtcdStore:
             except Exception:  # closing a broken channel must not mask the real error
                 log.debug("closing etcd client for %s failed", self._specs[index].url)
 
-    async def _call(self, what: str, fn: Callable[[Any], T]) -> T:
+    async def _call(self, what: str, fn: Callable[[Any], T], *, idempotent: bool = True) -> T:
+        """Run `fn(client)` with endpoint rotation. A call that is not `idempotent` is not
+        sent again once it may have reached etcd: a lost answer raises `CommitUnknown`."""
         import pyetcd.exceptions as etcd_errors
 
         transient = (
@@ -312,24 +385,36 @@ class EtcdStore:
             attempts += 1
             try:
                 client = self._client(index)
-                return await asyncio.to_thread(fn, client)
-            except grpc.RpcError as exc:
-                if exc.code() not in _TRANSIENT_CODES:
-                    raise StoreError(f"etcd {what}: {_describe(exc)}") from exc
+            except transient as exc:  # the channel could not even be made: nothing was sent
+                client = None
                 last = f"{self._specs[index].url}: {_describe(exc)}"
-                self._drop_client(index)
-                self._current = (index + 1) % len(self._specs)
-            except transient as exc:
-                last = f"{self._specs[index].url}: {_describe(exc)}"
-                log.debug("etcd %s failed on %s (attempt %d)", what, last, attempts)
-                self._drop_client(index)
-                self._current = (index + 1) % len(self._specs)
+            if client is not None:
+                try:
+                    return await asyncio.to_thread(fn, client)
+                except grpc.RpcError as exc:
+                    if exc.code() not in _TRANSIENT_CODES:
+                        raise StoreError(f"etcd {what}: {_describe(exc)}") from exc
+                    last = f"{self._specs[index].url}: {_describe(exc)}"
+                    if not idempotent and not _surely_unsent(exc):
+                        self._rotate(index)
+                        raise CommitUnknown(what, self._specs[index].url, last) from exc
+                except transient as exc:
+                    last = f"{self._specs[index].url}: {_describe(exc)}"
+                    log.debug("etcd %s failed on %s (attempt %d)", what, last, attempts)
+                    if not idempotent and not _surely_unsent(exc):
+                        self._rotate(index)
+                        raise CommitUnknown(what, self._specs[index].url, last) from exc
+            self._rotate(index)
             elapsed = time.monotonic() - started
             if elapsed >= self._budget:
                 raise StoreUnavailable(self.endpoints, attempts, elapsed, last)
             if attempts % len(self._specs) == 0:
                 # Every endpoint failed once this round: pause before the next round.
                 await asyncio.sleep(min(0.2 * attempts, 1.0, self._budget - elapsed))
+
+    def _rotate(self, index: int) -> None:
+        self._drop_client(index)
+        self._current = (index + 1) % len(self._specs)
 
     # -- Store ----------------------------------------------------------------------------
 
@@ -349,7 +434,7 @@ class EtcdStore:
                 )
                 for kv in response.kvs
             ]
-            return Snapshot(kvs, response.header.revision)
+            return Snapshot(kvs, response.header.revision, self._status(c))
 
         return await self._call(f"get prefix {prefix}", op)
 
@@ -385,14 +470,20 @@ class EtcdStore:
         compares: Sequence[CreateRevisionIs],
         success: Sequence[Op],
         read_on_failure: Sequence[str] = (),
+        *,
+        idempotent: bool = True,
     ) -> TxnResult:
+        if len(success) > MAX_TXN_OPS or len(read_on_failure) > MAX_TXN_OPS:
+            raise StoreError(
+                f"a transaction of {len(success)} operations is over LUMEN's limit of "
+                f"{MAX_TXN_OPS} (etcd refuses more than --max-txn-ops, 128 by default); "
+                "this is a bug: the caller must split it"
+            )
+
         def op(c: Any) -> TxnResult:
             t = c.transactions
             compare = [t.create(cmp.key) == cmp.revision for cmp in compares]
-            ops = [
-                t.put(o.key, o.value, lease=o.lease) if isinstance(o, Put) else t.delete(o.key)
-                for o in success
-            ]
+            ops = [_txn_op(t, o) for o in success]
             failure = [t.get(k) for k in read_on_failure]
             succeeded, responses = c.transaction(compare=compare, success=ops, failure=failure)
             read: dict[str, KeyValue] = {}
@@ -412,7 +503,49 @@ class EtcdStore:
                     revision = max(revision, int(header.revision))
             return TxnResult(bool(succeeded), revision, read)
 
-        return await self._call("transaction", op)
+        return await self._call("transaction", op, idempotent=idempotent)
+
+    async def keys(self, prefix: str, *, limit: int = 0, newest_first: bool = False
+                   ) -> list[str]:
+        def op(c: Any) -> list[str]:
+            response = c.get_prefix_response(
+                prefix, keys_only=True, limit=limit or None,
+                sort_order="descend" if newest_first else "ascend")
+            return [kv.key.decode() for kv in response.kvs]
+
+        return await self._call(f"list keys {prefix}", op)
+
+    async def status(self) -> StoreStatus:
+        return await self._call("status", self._status)
+
+    def _status(self, c: Any) -> StoreStatus:
+        from pyetcd import etcdrpc
+
+        stub = c.maintenancestub
+        status = stub.Status(etcdrpc.StatusRequest(), self._timeout,
+                             credentials=c.call_credentials, metadata=c.metadata)
+        request = etcdrpc.AlarmRequest(action=etcdrpc.AlarmRequest.GET, memberID=0,
+                                       alarm=etcdrpc.NONE)
+        alarms = stub.Alarm(request, self._timeout, credentials=c.call_credentials,
+                            metadata=c.metadata).alarms
+        names = sorted({etcdrpc.AlarmType.Name(a.alarm) for a in alarms})
+        return StoreStatus(self._specs[self._current].url, int(status.dbSize),
+                           int(status.header.revision), tuple(names))
+
+    async def compact(self, revision: int) -> None:
+        def op(c: Any) -> None:
+            from pyetcd import etcdrpc
+
+            try:
+                c.kvstub.Compact(etcdrpc.CompactionRequest(revision=revision), self._timeout,
+                                 credentials=c.call_credentials, metadata=c.metadata)
+            except grpc.RpcError as exc:
+                # Compacted already (by auto-compaction or another coordinator): done.
+                if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                    return
+                raise
+
+        await self._call(f"compact to revision {revision}", op)
 
     async def grant_lease(self, ttl_s: int) -> int:
         return await self._call(f"grant lease ttl={ttl_s}", lambda c: int(c.lease(ttl_s).id))
@@ -452,6 +585,28 @@ class EtcdStore:
     async def close(self) -> None:
         for index in list(self._clients):
             self._drop_client(index)
+
+
+def _txn_op(t: Any, o: Op) -> Any:
+    if isinstance(o, Put):
+        return t.put(o.key, o.value, lease=o.lease)
+    if isinstance(o, DeleteRange):
+        return t.delete(o.start, range_end=o.end)
+    return t.delete(o.key)
+
+
+def _surely_unsent(exc: BaseException) -> bool:
+    """Whether a failed call certainly never reached etcd (the connection was refused), so
+    that sending it again cannot apply it twice. Anything else (a deadline, a reset
+    connection, an internal error) may have been applied."""
+    if isinstance(exc, ValueError):  # pyetcd refused to use the endpoint before sending
+        return True
+    cause = exc if isinstance(exc, grpc.RpcError) else exc.__context__
+    if not isinstance(cause, grpc.RpcError) or not hasattr(cause, "code"):
+        return False
+    details = (cause.details() or "").lower()
+    return cause.code() == grpc.StatusCode.UNAVAILABLE and (
+        "connection refused" in details or "failed to connect" in details)
 
 
 def _revision_of(client: Any) -> int:

@@ -25,7 +25,7 @@ from lumend.cluster.models import (
     WorkerRecord,
     decode_value,
 )
-from lumend.cluster.store import KeyValue, Snapshot
+from lumend.cluster.store import KeyValue, Snapshot, StoreStatus
 from lumend.coordinator.settings import SettingError
 from lumend.coordinator.settings import check as check_settings
 
@@ -65,6 +65,8 @@ class ClusterView:
     assists: dict[str, AssistAssignment] = field(default_factory=dict)
     # Recovery plans by the worker whose requests they routed (`recovery/<worker>`).
     recoveries: dict[str, RecoveryPlan] = field(default_factory=dict)
+    # etcd's database size and alarms (NOSPACE), when the read carried them.
+    store: StoreStatus | None = None
 
     def intents_for(self, worker: WorkerRecord) -> list[Intent]:
         """Intents that name this worker or its node."""
@@ -162,4 +164,5 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
         settings=settings,
         assists=assists,
         recoveries=recoveries,
+        store=snapshot.store,
     )

@@ -10,7 +10,14 @@ on an intent by itself only when no coordinator has been elected for longer than
 before switching (a transaction that deletes it only if it is still the intent read, by its
 create revision), so a repeated order, a second coordinator or the node's own fallback find
 nothing left to do; a repeated order for the same intent is answered with the first
-outcome. The outcome is recorded as an event, which `lumenctl failover --wait` reports.
+outcome. An order that names no intent (`requested_at` 0) has nothing to claim and is
+refused. The outcome is recorded as an event, which `lumenctl failover --wait` reports.
+
+The claim writes, in the same transaction, a `failover_claimed` event whose value is unique
+to the attempt; when the claim's answer is lost (etcd may have applied it), the node reads
+that event back instead of sending the claim again: present, the claim is ours; absent
+with the intent still pending, nothing was applied and the claim is sent again; absent
+with the intent gone, another claimed it.
 
 `lumenctl drain NODE|WORKER`: admissions stop wherever the intent is seen (coordinator,
 gateways); the gateways move streams off the worker when it says --migrate. The node's part,
@@ -33,18 +40,21 @@ import msgspec
 
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import Event, Intent, WorkerRecord, decode_value, encode_value
-from lumend.cluster.store import CreateRevisionIs, Delete, Store, StoreError
+from lumend.cluster.store import CommitUnknown, CreateRevisionIs, Delete, Put, Store, StoreError
 from lumend.cluster.view import ClusterView
 from lumend.failover.supervisor import WorkerSupervisor
 
 log = logging.getLogger("lumend.failover")
 
+EVENT_CLAIMED = "failover_claimed"
 EVENT_DONE = "failover_done"
 EVENT_REFUSED = "failover_refused"
 EVENT_DRAINED = "drained"
 
 # Outcomes of carried-out intents kept, to answer a repeated order with the first outcome.
 OUTCOMES_KEPT = 256
+# How often a claim whose answer was lost, and found not applied, is sent again.
+CLAIM_ATTEMPTS = 3
 
 
 class IntentGone(Exception):
@@ -90,6 +100,7 @@ class FailoverIntents:
         self._outcomes: dict[tuple[str, float], asyncio.Task[tuple[str, float]]] = {}
         # Intents carried out, by path: "coordinator" (an Agent Failover) or "alone".
         self.carried_out: dict[str, int] = {"coordinator": 0, "alone": 0}
+        self._claim_seq = 0
 
     async def run(self, stop: asyncio.Event, every_s: float = 0.2) -> None:
         while not stop.is_set():
@@ -125,8 +136,10 @@ class FailoverIntents:
         and returns the first call's outcome (or raises its error). Raises `IntentGone`
         when the intent is not pending, `FailoverFailed` when the switchover failed,
         `StoreError` when etcd could not be asked (nothing was done; try again)."""
-        if not requested_at:  # a command without an intent: nothing to claim
-            return await asyncio.shield(asyncio.create_task(self.failover(worker, by)))
+        if requested_at <= 0:
+            # Nothing to claim, so nothing could stop a second switchover: refused.
+            raise IntentGone(f"the failover order for {worker} names no intent (requested_at "
+                             f"{requested_at}); write one with `lumenctl failover {worker}`")
         task = self._outcomes.get((worker, requested_at))
         if task is None:
             task = self._start(worker, requested_at, by, path)
@@ -167,16 +180,43 @@ class FailoverIntents:
         if kv is None or pending is None or pending.requested_at != requested_at:
             raise IntentGone(f"no failover intent for {worker} requested at {requested_at:.3f} "
                              "is pending (carried out already, replaced or withdrawn)")
-        # The claim: delete the intent only if it is still the one read (same create
-        # revision). Whoever deletes it carries it out; everyone else finds it gone.
-        claimed = await self._store.txn([CreateRevisionIs(key, kv.create_revision)],
-                                        [Delete(key)])
-        if not claimed.succeeded:
+        if not await self._claim(worker, key, kv.create_revision, requested_at, by):
             raise IntentGone(f"the failover intent for {worker} was claimed or withdrawn "
                              "meanwhile")
         self.carried_out[path] += 1
         log.info("failover of %s: intent claimed (%s)", worker, by)
         return await self.failover(worker, by)
+
+    async def _claim(self, worker: str, key: str, revision: int, requested_at: float,
+                     by: str) -> bool:
+        """The claim: delete the intent only if it is still the one read (same create
+        revision), writing an event unique to this attempt with it. Whoever deletes it
+        carries it out; everyone else finds it gone. True when this node claimed it."""
+        for attempt in range(1, CLAIM_ATTEMPTS + 1):
+            now = time.time()
+            self._claim_seq = self._claim_seq % 9999 + 1
+            event_key = self._keys.event(int(now * 1000), self._node, self._claim_seq)
+            event = encode_value(Event(
+                at=now, kind=EVENT_CLAIMED, source=self._node,
+                message=f"{self._node} claimed the failover intent of {worker} requested at "
+                        f"{requested_at:.3f} ({by}; attempt {attempt} at {now:.6f})"))
+            try:
+                result = await self._store.txn([CreateRevisionIs(key, revision)],
+                                               [Delete(key), Put(event_key, event)],
+                                               idempotent=False)
+                return result.succeeded
+            except CommitUnknown as exc:
+                log.warning("failover of %s: %s", worker, exc)
+            # Read back (plain reads, retried as usual): was the claim applied?
+            written = await self._store.get(event_key)
+            if written is not None and written.value == event:
+                log.info("failover of %s: the claim was applied (read back)", worker)
+                return True
+            pending = await self._store.get(key)
+            if pending is None or pending.create_revision != revision:
+                return False  # another claimed or withdrew it
+        raise CommitUnknown(f"claim of the failover intent for {worker}", "etcd",
+                            f"{CLAIM_ATTEMPTS} answers lost")
 
     async def failover(self, worker: str, requested_by: str) -> tuple[str, float]:
         """Switch `worker` to a shadow and record the outcome as an event; returns (the

@@ -2,8 +2,11 @@
 
 Commands (Failover, Drain) come from a coordinator, which sends them for the intents in its
 snapshot (lumend/coordinator/commands.py), and carry its epoch. The node's `EpochFence`
-(fed from every etcd snapshot by the HA loop) refuses an epoch lower than the highest seen:
-the sender is a deposed coordinator. Refusals are counted and logged.
+(fed from every etcd snapshot by the HA loop) refuses an epoch lower than the highest seen
+(the sender is a deposed coordinator) and one higher than seen unless etcd confirms it is
+the coordinator key's create revision (nobody elected sent it; the bar stays). Refusals are
+counted and logged. A failover is carried out only for a pending intent it claims
+(lumend/failover/intents.py): an order without one (`requested_at` 0) does nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from lumend.cluster.fencing import EpochFence, StaleEpochError
+from lumend.cluster.fencing import EpochFence, StaleEpochError, UnknownEpochError
 from lumend.cluster.models import WorkerRecord
 from lumend.cluster.store import StoreError
 from lumend.failover.intents import FailoverFailed, IntentGone
@@ -49,21 +52,46 @@ class AgentService:
         # The workers the coordinator has drained; shared with the node's DrainStates,
         # which publishes them as draining/drained.
         self.drained: set[str] = drained if drained is not None else set()
-        self.stale_refused = 0
+        self.stale_refused = 0  # epochs below the highest seen
+        self.unknown_refused = 0  # epochs above it that etcd did not confirm
         self.commands: dict[str, int] = {"failover": 0, "drain": 0}
 
     def admit_epoch(self, command: str, epoch: int) -> None:
-        """Raise CommandRefused unless `epoch` is a live coordinator's (fencing)."""
+        """Raise CommandRefused unless `epoch` is the highest epoch seen (fencing by what
+        has been seen alone; `verify_epoch` also confirms a higher one in etcd)."""
+        self._signed(command, epoch)
+        try:
+            self.fence.check(epoch)
+        except StaleEpochError as exc:
+            self._refused(command, exc)
+
+    async def verify_epoch(self, command: str, epoch: int) -> None:
+        """Raise CommandRefused unless `epoch` is the current coordinator's: the highest
+        seen, or a higher one that etcd confirms (which then becomes the highest)."""
+        self._signed(command, epoch)
+        try:
+            await self.fence.admit(epoch)
+        except StaleEpochError as exc:
+            self._refused(command, exc)
+        except StoreError as exc:
+            raise CommandRefused(grpc.StatusCode.UNAVAILABLE,
+                                 f"{command} from epoch {epoch} not checked: etcd could not "
+                                 f"confirm the coordinator's epoch ({exc}); retry") from None
+
+    @staticmethod
+    def _signed(command: str, epoch: int) -> None:
         if epoch <= 0:
             raise CommandRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"{command} needs the epoch of the coordinator that sends it "
                                  "(epoch > 0)")
-        try:
-            self.fence.check(epoch)
-        except StaleEpochError as exc:
+
+    def _refused(self, command: str, exc: StaleEpochError) -> None:
+        if isinstance(exc, UnknownEpochError):
+            self.unknown_refused += 1
+        else:
             self.stale_refused += 1
-            log.warning("%s on %s: %s", command, self.node, exc)
-            raise CommandRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        log.warning("%s on %s: %s", command, self.node, exc)
+        raise CommandRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
     def status(self) -> NodeStatus:
         workers = tuple(
@@ -77,7 +105,7 @@ class AgentService:
 
     async def failover(self, epoch: int, worker: str,
                        requested_at: float = 0.0) -> tuple[str, float]:
-        self.admit_epoch("Failover", epoch)
+        await self.verify_epoch("Failover", epoch)
         if worker not in {w.name for w in self._workers()}:
             raise CommandRefused(grpc.StatusCode.NOT_FOUND,
                                  f"no worker {worker!r} on node {self.node}")
@@ -96,6 +124,12 @@ class AgentService:
                                  f"failover of {worker} not done: {exc}") from None
         self.commands["failover"] += 1
         return outcome
+
+    async def drain_command(self, epoch: int, target: str,
+                            undo: bool) -> tuple[list[str], int]:
+        """`drain` for a command from the network: a higher epoch is confirmed first."""
+        await self.verify_epoch("Drain", epoch)
+        return self.drain(epoch, target, undo)
 
     def drain(self, epoch: int, target: str, undo: bool) -> tuple[list[str], int]:
         self.admit_epoch("Drain", epoch)
@@ -139,7 +173,8 @@ class AgentServicer:
 
     async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainReply:
         try:
-            drained, in_flight = self.service.drain(request.epoch, request.target, request.undo)
+            drained, in_flight = await self.service.drain_command(request.epoch, request.target,
+                                                                  request.undo)
         except CommandRefused as exc:
             await context.abort(exc.code, str(exc))
         return pb.DrainReply(epoch=request.epoch, drained=drained, in_flight=in_flight)
