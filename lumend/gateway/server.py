@@ -31,6 +31,7 @@ from aiohttp import web
 
 from lumend.cluster.view import ClusterView
 from lumend.config import parse_listen
+from lumend.gateway import readiness
 from lumend.gateway.auth import ApiKeys, Denied, RefusalLog
 from lumend.gateway.checkpoints import Placement, place, route
 from lumend.gateway.coordinator import CoordinatorLink
@@ -161,6 +162,7 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._auth])
         app.router.add_get("/health", self._health)
+        readiness.install(app, self)  # GET /ready; 503 to new requests while stopping
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
