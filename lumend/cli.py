@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -27,17 +28,70 @@ EXIT_CONFIG = 2
 @app.command("check-config")
 def check_config(
     path: Path = typer.Argument(Path(DEFAULT_CONFIG_PATH), help="The node config (TOML)."),
+    strict: bool = typer.Option(
+        False, "--strict", help="Warnings are errors (exit 2): a model path that does not "
+        "exist or that this user cannot read, an unsupported vLLM. The Ansible role checks "
+        "with --strict, so a node without its models fails the deploy."),
 ) -> None:
-    """Validate a node config: exit 0 when valid, 2 with every problem listed when not."""
+    """Validate a node config: exit 0 when valid, 2 with every problem listed when not.
+    Also checks, as warnings, what the node needs besides the file: each worker's model and
+    draft_model that is a path (absolute, or starting with ./ or ~) exists and is readable
+    by the user running the check (run it as lumend's user), and a vLLM lumend supports."""
     config = load_config_or_exit(path)
     from lumend.engine.vllm_version import vllm_worker_warnings  # metadata only, no vLLM
 
-    for warning in vllm_worker_warnings([(w.name, w.engine) for w in config.workers]):
-        typer.echo(f"{path}: warning: {warning}", err=True)
+    warnings = model_path_warnings(config)
+    warnings += vllm_worker_warnings([(w.name, w.engine) for w in config.workers])
+    for warning in warnings:
+        typer.echo(f"{path}: {'error' if strict else 'warning'}: {warning}", err=True)
+    if strict and warnings:
+        typer.echo(f"{path}: {len(warnings)} problems (--strict)", err=True)
+        raise typer.Exit(EXIT_CONFIG)
     typer.echo(
         f"{path}: ok (node {config.node.name}, cluster {config.etcd.cluster!r}, "
         f"{len(config.workers)} workers)"
     )
+
+
+# systemd's ProtectHome=yes (the shipped unit) makes these empty for lumend and its engines.
+HIDDEN_BY_UNIT = ("/home", "/root", "/run/user")
+
+
+def looks_like_path(model: str) -> bool:
+    """A model given as a local path, not a hub id such as "Qwen/Qwen3-8B" (or a sim preset)."""
+    return model.startswith(("/", "./", "../", "~"))
+
+
+def model_path_warnings(config: NodeConfig) -> list[str]:
+    """What is wrong with each worker's model paths on this host: missing, unreadable, or
+    where the unit hides it. Hub ids and sim presets are not checked."""
+    found = []
+    for worker in config.workers:
+        for key, model in (("model", worker.model), ("draft_model", worker.draft_model)):
+            if model is None or worker.engine == "sim" or not looks_like_path(model):
+                continue
+            where = f"workers {worker.name!r}: {key} = {model!r}"
+            local = os.path.expanduser(model)
+            if not os.path.exists(local):
+                found.append(f"{where}: no such file or directory on this host; copy the "
+                             "model there on every node that runs this worker (or mount "
+                             "the shared store there) before lumend starts")
+            elif not os.access(local, os.R_OK) or (
+                    os.path.isdir(local) and not os.access(local, os.X_OK)):
+                found.append(f"{where}: this user cannot read it; make it readable by the "
+                             "user lumend runs as (e.g. chgrp -R lumen and chmod -R g+rX)")
+            elif os.path.isdir(local) and not any(
+                    name.endswith((".safetensors", ".bin", ".gguf", ".pt"))
+                    for name in os.listdir(local)):
+                found.append(f"{where}: the directory holds no weight files (*.safetensors, "
+                             "*.bin, *.gguf); is the copy complete?")
+            hidden = next((h for h in HIDDEN_BY_UNIT
+                           if local == h or local.startswith(h + "/")), None)
+            if hidden:
+                found.append(f"{where}: under {hidden}, which the lumend unit hides "
+                             "(ProtectHome=yes); put models elsewhere, e.g. /models, or "
+                             "allow it with a drop-in (systemctl edit lumend)")
+    return found
 
 
 @app.command("run")

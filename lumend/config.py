@@ -194,6 +194,10 @@ class GatewaySection(msgspec.Struct, frozen=True, kw_only=True):
     resume_within_s: float = 120.0  # an interrupted request is given up this long after
     max_streams: int = 1024  # engine streams open at once; more requests get 503
     client_write_s: float = 30.0  # a client that reads nothing for this long is dropped
+    # A stopping lumend (SIGTERM) refuses new requests and reports not ready (/ready 503) at
+    # once, then lets streams in flight finish for at most drain_s before it stops its
+    # engines; 0: stop them at once. Keep it below systemd's TimeoutStopSec (90 s).
+    drain_s: float = 30.0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -342,7 +346,8 @@ _WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "as
                 "kv_cache_bytes", "args", "port")
 _GATEWAY_TIMES = ("first_token_s", "token_timeout_s", "resume_within_s", "client_write_s")
 _SERVICES = {  # section -> (its keys, default listen address)
-    "gateway": (("listen", "api_keys", *_GATEWAY_TIMES, "max_streams"), _GATEWAY_LISTEN),
+    "gateway": (("listen", "api_keys", *_GATEWAY_TIMES, "max_streams", "drain_s"),
+                _GATEWAY_LISTEN),
     "rpc": (("listen", "ca", "cert", "key"), _RPC_LISTEN),
     "checkpoint": (_CHECKPOINT_KEYS, _CHECKPOINT_LISTEN),
     "metrics": (("listen",), _METRICS_LISTEN),
@@ -815,6 +820,10 @@ def _check_gateway_limits(table: _Table) -> None:
             table.problem(name, value, f"use a number of seconds above 0, e.g. {name} = "
                           f"{default:g}")
     table.integer("max_streams", "max_streams = 1024", 1, 1_000_000)
+    drain = table.number("drain_s", "drain_s = 30")
+    if drain is not None and not 0 <= drain <= 3600:
+        table.problem("drain_s", drain, "use a number of seconds from 0 (stop engines at once) "
+                      "to 3600, below systemd's TimeoutStopSec, e.g. drain_s = 30")
 
 
 _RPC_TLS_EXAMPLES = {

@@ -1,11 +1,18 @@
 """Wires a node together from its config and runs it: the HA loop, systemd notifications and
-the watchdog, metrics, config reload on SIGHUP, and a graceful stop on SIGTERM/SIGINT."""
+the watchdog, metrics, config reload on SIGHUP, and a graceful stop on SIGTERM/SIGINT.
+
+A graceful stop, in order: the gateway refuses new requests and `/ready` answers 503 (at once,
+in the signal handler); the node resigns its roles and deregisters, so no gateway routes here
+any more; the streams in flight (this gateway's, and other gateways' on this node's engines)
+finish, for at most `[gateway] drain_s`; then the engines and GMS servers are stopped."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,6 +30,7 @@ from lumend.config import ConfigError, NodeConfig, load_config
 from lumend.engine.adapter import adapter_for
 from lumend.failover.intents import DrainStates, FailoverIntents, Leaderless
 from lumend.failover.supervisor import WorkerSupervisor
+from lumend.gateway import readiness
 from lumend.gateway.auth import ApiKeyFileError, load_api_keys
 from lumend.gateway.server import Gateway, GatewayBindError, GatewayTiming
 from lumend.metrics import (
@@ -165,6 +173,9 @@ class Node:
                                    recover_within_s=gw.resume_within_s,
                                    client_write_s=gw.client_write_s,
                                    max_streams=gw.max_streams))
+        # GET /ready and the refusal of new requests while stopping (lumend/gateway/readiness.py)
+        self.readiness = readiness.NodeReadiness(config.node.name, lambda: self.agent.view)
+        readiness.attach(self.gateway, self.readiness)
         self.metrics.registry.register(GatewayCollector(self.gateway))
         for collector in self.plane.collectors:
             self.metrics.registry.register(collector)
@@ -206,11 +217,20 @@ class Node:
         reload_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
 
+        # The supervisors stop their engines on engines_stop, set only once the streams in
+        # flight have drained (or drain_s passed); everything else stops on `stop`.
+        engines_stop = asyncio.Event()
+
         def on_stop(sig: signal.Signals) -> None:
             if not stop.is_set():
-                log.info("%s: stopping", sig.name)
+                self.readiness.drain()  # before anything else: no new request is admitted
+                log.info("%s: stopping: new requests refused, /ready answers 503", sig.name)
                 self.link.stop(sig.name)
                 stop.set()
+            elif not engines_stop.is_set():
+                log.warning("%s again: not waiting for the streams in flight any longer",
+                            sig.name)
+                engines_stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_stop, sig)
@@ -250,9 +270,14 @@ class Node:
             asyncio.create_task(self.plane.run(stop), name="checkpoint-progress"),
             asyncio.create_task(self.holder.run(stop), name="checkpoint-holder"),
             asyncio.create_task(self.assist.run(stop), name="assist-links"),
-            *(asyncio.create_task(s.run(stop), name=f"supervisor-{name}")
+            *(asyncio.create_task(s.run(engines_stop), name=f"supervisor-{name}")
               for name, s in self.supervisors.items()),
         ]
+        if config.rpc.tls_files is None:
+            log.warning("rpc: no [rpc] ca, cert and key: the control plane on %s is plaintext "
+                        "and unauthenticated (anyone who reaches it can order failovers and "
+                        "drains); give it certificates (examples/lumend.toml, [rpc])",
+                        config.rpc.listen)
         try:
             await self.agent.run(stop)
         finally:
@@ -263,14 +288,49 @@ class Node:
             # then the supervisors stop the engines and GMS servers as their tasks return.
             log.info("stopping: resigning roles and deregistering")
             await self.agent.shutdown()
-            # No gateway routes here any more: let this gateway's streams in flight finish
-            # (bounded), then the supervisors stop the engines as their tasks return.
+            # No gateway routes here any more: let the streams in flight finish (bounded by
+            # drain_s), then the supervisors stop the engines as their tasks return.
+            self.readiness.drain()
+            await self._drain(self.config.gateway.drain_s, engines_stop)
+            self.readiness.stop()
+            engines_stop.set()
             await self.gateway.stop()
             await self.plane.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.store.close()
             await self.server.stop()
             log.info("stopped")
+
+    def streams_in_flight(self) -> tuple[int, int]:
+        """(this gateway's engine streams, requests running or waiting on this node's
+        engines): what a graceful stop waits for."""
+        local = sum(s.load.running + s.load.waiting for s in self.supervisors.values())
+        return sum(self.gateway.in_flight.values()), local
+
+    async def _drain(self, drain_s: float, cut: asyncio.Event, every_s: float = 0.1) -> None:
+        """Wait until no stream is in flight here, `drain_s` has passed, or `cut` is set (a
+        second SIGTERM); logs what was left when it gives up."""
+        started = time.monotonic()
+        deadline = started + drain_s
+        gateway, engines = self.streams_in_flight()
+        if gateway or engines:
+            log.info("stopping: draining %d gateway streams and %d requests on this node's "
+                     "engines (at most %g s, [gateway] drain_s)", gateway, engines, drain_s)
+        while (gateway or engines) and not cut.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("stopping: drain_s (%g s) passed with %d gateway streams and %d "
+                            "engine requests still in flight; they are cut now", drain_s,
+                            gateway, engines)
+                return
+            self.link.notifier.send(STATUS=f"stopping: draining {gateway} streams, "
+                                    f"{engines} engine requests ({left:.0f} s left)")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cut.wait(), min(every_s, left))
+            gateway, engines = self.streams_in_flight()
+        if not (gateway or engines):
+            log.info("stopping: no streams in flight after %.1f s; stopping the engines",
+                     time.monotonic() - started)
 
     def _reload_api_keys(self, path: str | None) -> bool | None:
         """Load the gateway's API keys from `path` again: whether they changed, None when
