@@ -65,6 +65,7 @@ class GatewayCounters:
     migrations: int = 0  # streams moved off a worker under a drain --migrate intent
     engine_errors: Counter[int] = field(default_factory=Counter)  # engine 4xx, by status
     restarts: int = 0  # resumes recomputed from the start (guided decoding, or no clean cut)
+    inside_character: int = 0  # resumes after ids that ended inside a character
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class Progress:
     # cut back to a clean text boundary, or a restart from the start), and text likewise.
     again_ids: list[int] = field(default_factory=list)
     again_text: str = ""
+    pending: PendingText | None = None  # resumed inside a character: its text comes from us
 
     @property
     def tokens(self) -> int:
@@ -129,6 +131,18 @@ class Progress:
     @property
     def context(self) -> int:
         return len(self.prompt_ids or ()) + len(self.ids)
+
+
+@dataclass
+class PendingText:
+    """A stream resumed after ids that end inside a character (the client has the ids, not
+    yet the character): the new engine cannot print that character (its decoder starts from
+    a prompt cut inside it), so the gateway renders the text from the last whole character
+    on with the engine's `/detokenize` until it is whole again, and the engine's text after."""
+
+    context: list[int]  # prompt and generated ids up to the last whole character
+    base: str  # their text
+    ids: list[int]  # generated ids after it, growing as the engine streams
 
 
 class Diverged(Exception):
@@ -359,7 +373,7 @@ class Gateway:
             try:
                 while True:
                     try:
-                        await self._forward(upstream, req, progress, scan, on_out)
+                        await self._forward(upstream, target, req, progress, scan, on_out)
                         return
                     except MigrateAway:
                         upstream, target, placement = await self._move(
@@ -456,38 +470,59 @@ class Gateway:
             context = (None if cut is None or req.limit is not None
                        else await self._max_model_len(target))
             if cut is not None and (req.limit is not None or context is not None):
-                return ResumePlan.by_cut(req, progress, cut, context)
+                plan = ResumePlan.by_cut(req, progress, *cut, context)
+                self.counters.inside_character += plan.pending is not None
+                return plan
             log.warning("no clean text boundary in the last %d tokens (or no /detokenize on "
                         "%s): recomputing the request from its start", CUT_WINDOW,
                         target.worker)
         self.counters.restarts += 1
         return ResumePlan.restart(req, progress)
 
-    async def _clean_cut(self, target: Target, progress: Progress) -> int | None:
-        """How many of the generated ids to resume after: the most that end on a whole
-        character. An engine sends text once it is whole, so the ids after the last whole
-        character (the first bytes of one, at most a few tokens) are the ones whose text
-        the client does not have yet: they are generated again rather than resumed after,
-        because an engine that starts from a prompt ending inside a character cannot print
-        it. The cut whose text is exactly the text received is taken; `/detokenize` renders
-        special tokens, which streams skip, so without one the last cut that ends on a whole
-        character is."""
+    async def _clean_cut(self, target: Target, progress: Progress) -> tuple[int, str] | None:
+        """How many of the generated ids end on the last whole character the client has, and
+        the text up to there. An engine sends text once it is whole, so the ids after that
+        cut (the first bytes of a character, at most a few tokens) are ones whose text the
+        client does not have yet; an engine that starts from a prompt ending inside a
+        character cannot print it, so the gateway renders it (`PendingText`). The cut whose
+        text is exactly the text received is taken; `/detokenize` renders special tokens,
+        which streams skip, so without one the last cut that ends on a whole character is."""
         assert progress.prompt_ids is not None
         prompt, ids = progress.prompt_ids, progress.ids
         base = await self._detokenize(target, prompt)
         if base is None:
             return None
         want = base + progress.raw_text
-        whole: int | None = None
+        whole: tuple[int, str] | None = None
         for cut in range(len(ids), max(-1, len(ids) - CUT_WINDOW), -1):
             text = await self._detokenize(target, [*prompt, *ids[:cut]])
             if text is None:
                 return None
             if text == want:
-                return cut
+                return cut, text
             if whole is None and not text.endswith("\ufffd"):
-                whole = cut
+                whole = cut, text
         return whole
+
+    async def _pending_text(self, target: Target, progress: Progress, ids: list[int],
+                            final: bool) -> str:
+        """The text a piece adds while the stream's last character is incomplete (see
+        `PendingText`): none until the character is whole, then all of it at once, as an
+        engine that had not been interrupted sends it. At the stream's end an incomplete
+        character is dropped, as engines drop it."""
+        pending = progress.pending
+        assert pending is not None
+        pending.ids += ids
+        if not ids and not final:
+            return ""
+        full = await self._detokenize(target, [*pending.context, *pending.ids])
+        if full is None or not full.startswith(pending.base):
+            raise Diverged(f"{target.worker} rendered the text before the cut differently")
+        text = full[len(pending.base):]
+        if text.endswith("\ufffd") and not final and len(pending.ids) < CUT_WINDOW:
+            return ""
+        progress.pending = None
+        return text.rstrip("\ufffd") if final else text
 
     async def _max_model_len(self, target: Target) -> int | None:
         """The target model's context length (`/v1/models`), remembered per worker."""
@@ -547,9 +582,9 @@ class Gateway:
             self.in_flight[upstream.worker] -= 1
         await upstream.close()
 
-    @staticmethod
-    async def _forward(upstream: Upstream, req: ClientRequest, progress: Progress,
-                       scan: StopScan, on_out: Callable[[Out], Awaitable[None]]) -> None:
+    async def _forward(self, upstream: Upstream, target: Target, req: ClientRequest,
+                       progress: Progress, scan: StopScan,
+                       on_out: Callable[[Out], Awaitable[None]]) -> None:
         chat_upstream = upstream.path == "/v1/chat/completions"
         async for piece in upstream.pieces():
             if piece.prompt_token_ids is not None and progress.prompt_ids is None:
@@ -569,6 +604,9 @@ class Gateway:
                     progress.again_ids.clear()
             progress.ids += ids
             text = piece.text
+            if progress.pending is not None:
+                text = await self._pending_text(target, progress, ids,
+                                                piece.finish_reason is not None)
             progress.raw_text += text
             if progress.again_text and text:
                 n = min(len(text), len(progress.again_text))
@@ -816,18 +854,24 @@ class ResumePlan:
     keep: int | None = None  # generated ids kept as context; None: all
     again_ids: list[int] = field(default_factory=list)
     again_text: str = ""
+    pending: PendingText | None = None
 
     @classmethod
-    def by_cut(cls, req: ClientRequest, progress: Progress, cut: int,
+    def by_cut(cls, req: ClientRequest, progress: Progress, cut: int, text_at_cut: str,
                max_model_len: int | None) -> ResumePlan:
+        """After all its ids; those after `cut` end inside a character, whose text the
+        gateway renders (`PendingText`)."""
         assert progress.prompt_ids is not None
-        ids = progress.ids[:cut]
-        how = "after its token ids" if cut == len(progress.ids) else (
-            f"after {cut} of its {len(progress.ids)} ids: the rest had no text yet")
-        return cls("/v1/completions", req.resume_body([*progress.prompt_ids, *ids], cut,
+        ids = progress.ids
+        pending = None
+        how = "after its token ids"
+        if cut < len(ids):
+            pending = PendingText([*progress.prompt_ids, *ids[:cut]], text_at_cut, ids[cut:])
+            how += f" (the last {len(ids) - cut} inside a character, rendered by the gateway)"
+        return cls("/v1/completions", req.resume_body([*progress.prompt_ids, *ids], len(ids),
                                                       max_model_len),
-                   resume=True, by_ids=True, how=how, keep=cut,
-                   again_ids=[*progress.ids[cut:], *progress.again_ids])
+                   resume=True, by_ids=True, how=how, again_ids=[*progress.again_ids],
+                   pending=pending)
 
     @classmethod
     def restart(cls, req: ClientRequest, progress: Progress) -> ResumePlan:
@@ -838,6 +882,7 @@ class ResumePlan:
                    again_text=progress.raw_text + progress.again_text)
 
     def apply(self, progress: Progress) -> None:
+        progress.pending = self.pending
         if self.keep is None:
             return
         if self.keep == 0:

@@ -342,3 +342,89 @@ async def _restart_case(tmp_path: Path) -> None:
 def test_guided_and_penalised_requests_are_recomputed_without_repeating(
         tmp_path: Path) -> None:
     asyncio.run(_restart_case(tmp_path))
+
+
+SAMPLED = [{"prompt": f"物語 {i}: ", "max_tokens": 120, "stream": True, "temperature": 1.0,
+            "seed": i, "return_token_ids": True} for i in range(16)]
+
+
+async def _kill_under_sampled_streams(tmp_path: Path) -> tuple[Gateway, list[dict[str, Any]],
+                                                               list[str]]:
+    """16 sampled streams that asked for their ids, one engine killed under them; each
+    stream's ids rendered by an engine afterwards."""
+    args = ["--tokenizer", "bpe", "--tokens-per-chunk", "1", "--time-scale", "2.0"]
+    async with cluster(tmp_path, args) as (gateway, base, sups), \
+            aiohttp.ClientSession() as session:
+        seen = [[0] for _ in SAMPLED]
+        tasks = [asyncio.create_task(call(session, base, False, body, seen[i]))
+                 for i, body in enumerate(SAMPLED)]
+        while min(s[0] for s in seen) < 12:
+            await asyncio.sleep(0.005)
+        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
+        active = next(s for s in victim.slots if s.state == "active")
+        assert active.proc is not None
+        os.kill(active.proc.pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        survivor = next(s for s in sups if s is not victim).record().engines[0].url
+        rendered = []
+        for got in results:
+            async with session.post(survivor + "/detokenize",
+                                    json={"tokens": got["token_ids"]}) as r:
+                rendered.append((await r.json())["prompt"])
+    return gateway, results, rendered
+
+
+async def _test_sampled_streams_broken_inside_a_character_resume_after_their_ids(
+        tmp_path: Path) -> None:
+    """A sampled stream cannot be generated again, so a break after ids that end inside a
+    character (their text not sent yet) must continue after all of them; the engine cannot
+    print that character from such a prompt, so the gateway renders it. The client's text is
+    then exactly the text of the ids it received."""
+    gateway, results, rendered = await _kill_under_sampled_streams(tmp_path)
+    assert gateway.counters.resumes >= 1, "no stream was interrupted: the test is void"
+    assert gateway.counters.inside_character >= 1, \
+        "no stream broke inside a character: the test is void (more streams, longer ones)"
+    for got, text in zip(results, rendered, strict=True):
+        assert got["status"] == 200 and not got["errors"], got["errors"]
+        assert len(got["ids"]) == 1 and got["finish"] == "length"
+        assert len(got["token_ids"]) == 120
+        assert got["text"] == text.rstrip("\ufffd"), "the text is not that of the ids sent"
+
+
+async def _test_an_engine_resumed_inside_a_character_prints_the_wrong_text(
+        tmp_path: Path) -> None:
+    """The control for the test above: asked directly to continue after ids that end inside
+    a character, the engine's own text is not the text of those ids."""
+    async with cluster(tmp_path, ["--tokenizer", "bpe"], workers=1) as (_, _base, sups), \
+            aiohttp.ClientSession() as session:
+        engine = sups[0].record().engines[0].url
+        body = {"prompt": "物語 0: ", "max_tokens": 60, "return_token_ids": True}
+        whole = await call(session, engine, False, body)
+        async with session.post(engine + "/tokenize", json={"prompt": body["prompt"]}) as r:
+            prompt_ids = (await r.json())["tokens"]
+        ids = whole["token_ids"]
+        wrong = 0
+        for cut in range(1, 40):
+            async with session.post(engine + "/detokenize",
+                                    json={"tokens": prompt_ids + ids[:cut]}) as r:
+                if not (await r.json())["prompt"].endswith("\ufffd"):
+                    continue  # a whole character: the engine continues right
+            async with session.post(engine + "/detokenize", json={"tokens": ids[:cut]}) as r:
+                head = (await r.json())["prompt"].rstrip("\ufffd")
+            tail = await call(session, engine, False, {**body, "prompt": prompt_ids + ids[:cut],
+                                                       "max_tokens": 10})
+            async with session.post(engine + "/detokenize",
+                                    json={"tokens": ids[:cut] + tail["token_ids"]}) as r:
+                right = (await r.json())["prompt"].rstrip("\ufffd")
+            wrong += head + tail["text"] != right
+        assert wrong, "every continuation inside a character printed right: the control is void"
+
+
+def test_sampled_streams_broken_inside_a_character_resume_after_their_ids(
+        tmp_path: Path) -> None:
+    asyncio.run(_test_sampled_streams_broken_inside_a_character_resume_after_their_ids(
+        tmp_path))
+
+
+def test_an_engine_resumed_inside_a_character_prints_the_wrong_text(tmp_path: Path) -> None:
+    asyncio.run(_test_an_engine_resumed_inside_a_character_prints_the_wrong_text(tmp_path))
