@@ -27,7 +27,7 @@ import math
 import operator
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lumend.cluster.models import WorkerRecord
@@ -291,7 +291,7 @@ class LoadBook:
         name = cols.workers[serving].name
         column = cols.spread.get(name)
         if column is None:
-            placed = self._spread.get(name, {})
+            placed: Mapping[str, int] = self._spread.get(name) or {}
             column = cols.spread[name] = [placed.get(w.name, 0) for w in cols.workers]
         # float(max(heartbeat bytes, reported bytes + checkpoints placed)), in C-level maps.
         ckpt = list(map(float, map(max, cols.hb_bytes, map(operator.add, cols.held, column))))

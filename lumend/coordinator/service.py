@@ -118,6 +118,13 @@ class CoordinatorService:
         return self.book.table(cols, tuple(ok and alive(w) for ok, w in
                                            zip(cols.eligible, cols.workers, strict=True)))
 
+    def term_lease(self) -> int | None:
+        """The lease carrying this term's coordinator key, as the latest view shows it; None
+        when the view does not show this term (yet: the first cycle of a term)."""
+        view = self._view()
+        c = None if view is None else view.coordinator
+        return c.lease if c is not None and c.epoch == self.epoch else None
+
     def _read(self) -> ClusterView:
         view = self._view()
         if view is None:

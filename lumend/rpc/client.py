@@ -5,6 +5,7 @@ A failed call raises `RpcFailure` with the gRPC status code's name and the serve
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,9 @@ from lumend.rpc.messages import (
     Recovery,
 )
 from lumend.rpc.tls import RpcTls, open_channel
+
+# How long one Progress write (or the stream's close) may wait for the coordinator.
+PROGRESS_WRITE_DEADLINE_S = 2.0
 
 # Codes after which another coordinator (or a later try) may answer.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN"})
@@ -65,23 +69,50 @@ class CoordinatorClient:
                             pb.FinishRequest(request_id=request_id), timeout_s)
         return reply.epoch, reply.known
 
-    def progress(self) -> ProgressStream:
-        return ProgressStream(self.address, self._stub.Progress())
+    async def finish_many(self, request_ids: Sequence[str], timeout_s: float = 1.0
+                          ) -> tuple[int, int]:
+        """One batch of finished requests: (epoch, how many the coordinator knew)."""
+        reply = await _call(self.address, "Finish", self._stub.Finish,
+                            pb.FinishRequest(request_ids=list(request_ids)), timeout_s)
+        return reply.epoch, reply.known_count
+
+    def progress(self, write_deadline_s: float = PROGRESS_WRITE_DEADLINE_S) -> ProgressStream:
+        return ProgressStream(self.address, self._stub.Progress(), write_deadline_s)
 
     async def close(self) -> None:
         await self._channel.close()
 
 
 class ProgressStream:
-    """One client-streamed Progress call: write reports, then `close` for the reply."""
+    """One client-streamed Progress call: write reports, then `close` for the reply.
 
-    def __init__(self, address: str, call: Any) -> None:
+    Every write and the close have a deadline (issue 14 item 8): a coordinator that is
+    paused or black-holed stops reading, its flow-control window fills, and an unbounded
+    write would block the reporter forever, never moving to the next term. A write that
+    misses its deadline cancels the call and raises DEADLINE_EXCEEDED; `keepalive` writes
+    an empty report, so a stream with nothing to report still finds out."""
+
+    def __init__(self, address: str, call: Any,
+                 write_deadline_s: float = PROGRESS_WRITE_DEADLINE_S) -> None:
         self.address = address
         self._call = call
+        self._deadline_s = write_deadline_s
 
     async def send(self, report: CheckpointProgress) -> None:
+        await self._write(report.to_pb())
+
+    async def keepalive(self) -> None:
+        await self._write(pb.ProgressReport())
+
+    async def _write(self, message: pb.ProgressReport) -> None:
         try:
-            await self._call.write(report.to_pb())
+            async with asyncio.timeout(self._deadline_s):
+                await self._call.write(message)
+        except TimeoutError:
+            self._call.cancel()
+            raise RpcFailure(self.address, "Progress", "DEADLINE_EXCEEDED",
+                             f"a report was not taken within {self._deadline_s:g} s (the "
+                             "coordinator is paused or unreachable)") from None
         except grpc.aio.AioRpcError as exc:
             raise RpcFailure(self.address, "Progress", exc.code().name,
                              exc.details() or "") from None
@@ -91,8 +122,13 @@ class ProgressStream:
     async def close(self) -> tuple[int, int, int]:
         """(epoch, reports, unknown) as the coordinator counted them."""
         try:
-            await self._call.done_writing()
-            reply = await self._call
+            async with asyncio.timeout(self._deadline_s):
+                await self._call.done_writing()
+                reply = await self._call
+        except TimeoutError:
+            self._call.cancel()
+            raise RpcFailure(self.address, "Progress", "DEADLINE_EXCEEDED",
+                             f"no reply within {self._deadline_s:g} s") from None
         except grpc.aio.AioRpcError as exc:
             raise RpcFailure(self.address, "Progress", exc.code().name,
                              exc.details() or "") from None

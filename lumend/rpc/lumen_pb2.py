@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lumend/rpc/lumen.proto\x12\x08lumen.v1\"C\n\x06Target\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04urls\x18\x04 \x03(\t\"?\n\nCheckpoint\x12\x0f\n\x07\x63kpt_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\"S\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07gateway\x18\x03 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x04 \x03(\t\"\x99\x01\n\nAdmitReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12 \n\x06target\x18\x03 \x01(\x0b\x32\x10.lumen.v1.Target\x12(\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x14.lumen.v1.Checkpoint\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\"#\n\rFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"+\n\x0b\x46inishReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05known\x18\x02 \x01(\x08\"\x9c\x01\n\x0eRecoverRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfailed_worker\x18\x02 \x01(\t\x12\x15\n\rprefix_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12(\n\ncheckpoint\x18\x05 \x01(\x0b\x32\x14.lumen.v1.Checkpoint\x12\x0f\n\x07gateway\x18\x06 \x01(\t\"\x7f\n\x0cRecoverReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06routed\x18\x02 \x01(\x08\x12 \n\x06target\x18\x03 \x01(\x0b\x32\x10.lumen.v1.Target\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\"P\n\x0eProgressReport\x12\x0f\n\x07\x63kpt_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"@\n\rProgressReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07reports\x18\x02 \x01(\r\x12\x0f\n\x07unknown\x18\x03 \x01(\r\"\x0f\n\rStatusRequest\"K\n\x06\x45ngine\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\"\x8a\x01\n\x06Worker\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07\x64rained\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12!\n\x07\x65ngines\x18\x07 \x03(\x0b\x32\x10.lumen.v1.Engine\"|\n\x0bStatusReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\rhighest_epoch\x18\x02 \x01(\x04\x12\x0e\n\x06status\x18\x03 \x01(\t\x12!\n\x07workers\x18\x04 \x03(\x0b\x32\x10.lumen.v1.Worker\x12\x15\n\rstale_refused\x18\x05 \x01(\x04\"F\n\x0f\x46\x61iloverRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x14\n\x0crequested_at\x18\x03 \x01(\x01\"?\n\rFailoverReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\";\n\x0c\x44rainRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0c\n\x04undo\x18\x03 \x01(\x08\"?\n\nDrainReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07\x64rained\x18\x02 \x03(\t\x12\x11\n\tin_flight\x18\x03 \x01(\r2\xfc\x01\n\x0b\x43oordinator\x12\x35\n\x05\x41\x64mit\x12\x16.lumen.v1.AdmitRequest\x1a\x14.lumen.v1.AdmitReply\x12\x38\n\x06\x46inish\x12\x17.lumen.v1.FinishRequest\x1a\x15.lumen.v1.FinishReply\x12;\n\x07Recover\x12\x18.lumen.v1.RecoverRequest\x1a\x16.lumen.v1.RecoverReply\x12?\n\x08Progress\x12\x18.lumen.v1.ProgressReport\x1a\x17.lumen.v1.ProgressReply(\x01\x32\xb8\x01\n\x05\x41gent\x12\x38\n\x06Status\x12\x17.lumen.v1.StatusRequest\x1a\x15.lumen.v1.StatusReply\x12>\n\x08\x46\x61ilover\x12\x19.lumen.v1.FailoverRequest\x1a\x17.lumen.v1.FailoverReply\x12\x35\n\x05\x44rain\x12\x16.lumen.v1.DrainRequest\x1a\x14.lumen.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lumend/rpc/lumen.proto\x12\x08lumen.v1\"C\n\x06Target\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04urls\x18\x04 \x03(\t\"?\n\nCheckpoint\x12\x0f\n\x07\x63kpt_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\"S\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07gateway\x18\x03 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x04 \x03(\t\"\x99\x01\n\nAdmitReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\x08\x12 \n\x06target\x18\x03 \x01(\x0b\x32\x10.lumen.v1.Target\x12(\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x14.lumen.v1.Checkpoint\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\"8\n\rFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"@\n\x0b\x46inishReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x13\n\x0bknown_count\x18\x03 \x01(\r\"\x9c\x01\n\x0eRecoverRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfailed_worker\x18\x02 \x01(\t\x12\x15\n\rprefix_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12(\n\ncheckpoint\x18\x05 \x01(\x0b\x32\x14.lumen.v1.Checkpoint\x12\x0f\n\x07gateway\x18\x06 \x01(\t\"\x7f\n\x0cRecoverReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06routed\x18\x02 \x01(\x08\x12 \n\x06target\x18\x03 \x01(\x0b\x32\x10.lumen.v1.Target\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\"P\n\x0eProgressReport\x12\x0f\n\x07\x63kpt_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"@\n\rProgressReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07reports\x18\x02 \x01(\r\x12\x0f\n\x07unknown\x18\x03 \x01(\r\"\x0f\n\rStatusRequest\"K\n\x06\x45ngine\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\"\x8a\x01\n\x06Worker\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07\x64rained\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12!\n\x07\x65ngines\x18\x07 \x03(\x0b\x32\x10.lumen.v1.Engine\"|\n\x0bStatusReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\rhighest_epoch\x18\x02 \x01(\x04\x12\x0e\n\x06status\x18\x03 \x01(\t\x12!\n\x07workers\x18\x04 \x03(\x0b\x32\x10.lumen.v1.Worker\x12\x15\n\rstale_refused\x18\x05 \x01(\x04\"F\n\x0f\x46\x61iloverRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x14\n\x0crequested_at\x18\x03 \x01(\x01\"?\n\rFailoverReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\";\n\x0c\x44rainRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0c\n\x04undo\x18\x03 \x01(\x08\"?\n\nDrainReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07\x64rained\x18\x02 \x03(\t\x12\x11\n\tin_flight\x18\x03 \x01(\r2\xfc\x01\n\x0b\x43oordinator\x12\x35\n\x05\x41\x64mit\x12\x16.lumen.v1.AdmitRequest\x1a\x14.lumen.v1.AdmitReply\x12\x38\n\x06\x46inish\x12\x17.lumen.v1.FinishRequest\x1a\x15.lumen.v1.FinishReply\x12;\n\x07Recover\x12\x18.lumen.v1.RecoverRequest\x1a\x16.lumen.v1.RecoverReply\x12?\n\x08Progress\x12\x18.lumen.v1.ProgressReport\x1a\x17.lumen.v1.ProgressReply(\x01\x32\xb8\x01\n\x05\x41gent\x12\x38\n\x06Status\x12\x17.lumen.v1.StatusRequest\x1a\x15.lumen.v1.StatusReply\x12>\n\x08\x46\x61ilover\x12\x19.lumen.v1.FailoverRequest\x1a\x17.lumen.v1.FailoverReply\x12\x35\n\x05\x44rain\x12\x16.lumen.v1.DrainRequest\x1a\x14.lumen.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMITREPLY']._serialized_start=256
   _globals['_ADMITREPLY']._serialized_end=409
   _globals['_FINISHREQUEST']._serialized_start=411
-  _globals['_FINISHREQUEST']._serialized_end=446
-  _globals['_FINISHREPLY']._serialized_start=448
-  _globals['_FINISHREPLY']._serialized_end=491
-  _globals['_RECOVERREQUEST']._serialized_start=494
-  _globals['_RECOVERREQUEST']._serialized_end=650
-  _globals['_RECOVERREPLY']._serialized_start=652
-  _globals['_RECOVERREPLY']._serialized_end=779
-  _globals['_PROGRESSREPORT']._serialized_start=781
-  _globals['_PROGRESSREPORT']._serialized_end=861
-  _globals['_PROGRESSREPLY']._serialized_start=863
-  _globals['_PROGRESSREPLY']._serialized_end=927
-  _globals['_STATUSREQUEST']._serialized_start=929
-  _globals['_STATUSREQUEST']._serialized_end=944
-  _globals['_ENGINE']._serialized_start=946
-  _globals['_ENGINE']._serialized_end=1021
-  _globals['_WORKER']._serialized_start=1024
-  _globals['_WORKER']._serialized_end=1162
-  _globals['_STATUSREPLY']._serialized_start=1164
-  _globals['_STATUSREPLY']._serialized_end=1288
-  _globals['_FAILOVERREQUEST']._serialized_start=1290
-  _globals['_FAILOVERREQUEST']._serialized_end=1360
-  _globals['_FAILOVERREPLY']._serialized_start=1362
-  _globals['_FAILOVERREPLY']._serialized_end=1425
-  _globals['_DRAINREQUEST']._serialized_start=1427
-  _globals['_DRAINREQUEST']._serialized_end=1486
-  _globals['_DRAINREPLY']._serialized_start=1488
-  _globals['_DRAINREPLY']._serialized_end=1551
-  _globals['_COORDINATOR']._serialized_start=1554
-  _globals['_COORDINATOR']._serialized_end=1806
-  _globals['_AGENT']._serialized_start=1809
-  _globals['_AGENT']._serialized_end=1993
+  _globals['_FINISHREQUEST']._serialized_end=467
+  _globals['_FINISHREPLY']._serialized_start=469
+  _globals['_FINISHREPLY']._serialized_end=533
+  _globals['_RECOVERREQUEST']._serialized_start=536
+  _globals['_RECOVERREQUEST']._serialized_end=692
+  _globals['_RECOVERREPLY']._serialized_start=694
+  _globals['_RECOVERREPLY']._serialized_end=821
+  _globals['_PROGRESSREPORT']._serialized_start=823
+  _globals['_PROGRESSREPORT']._serialized_end=903
+  _globals['_PROGRESSREPLY']._serialized_start=905
+  _globals['_PROGRESSREPLY']._serialized_end=969
+  _globals['_STATUSREQUEST']._serialized_start=971
+  _globals['_STATUSREQUEST']._serialized_end=986
+  _globals['_ENGINE']._serialized_start=988
+  _globals['_ENGINE']._serialized_end=1063
+  _globals['_WORKER']._serialized_start=1066
+  _globals['_WORKER']._serialized_end=1204
+  _globals['_STATUSREPLY']._serialized_start=1206
+  _globals['_STATUSREPLY']._serialized_end=1330
+  _globals['_FAILOVERREQUEST']._serialized_start=1332
+  _globals['_FAILOVERREQUEST']._serialized_end=1402
+  _globals['_FAILOVERREPLY']._serialized_start=1404
+  _globals['_FAILOVERREPLY']._serialized_end=1467
+  _globals['_DRAINREQUEST']._serialized_start=1469
+  _globals['_DRAINREQUEST']._serialized_end=1528
+  _globals['_DRAINREPLY']._serialized_start=1530
+  _globals['_DRAINREPLY']._serialized_end=1593
+  _globals['_COORDINATOR']._serialized_start=1596
+  _globals['_COORDINATOR']._serialized_end=1848
+  _globals['_AGENT']._serialized_start=1851
+  _globals['_AGENT']._serialized_end=2035
 # @@protoc_insertion_point(module_scope)

@@ -57,18 +57,22 @@ class AdmitReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., admitted: _Optional[bool] = ..., target: _Optional[_Union[Target, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., reason: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "request_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FinishReply(_message.Message):
-    __slots__ = ("epoch", "known")
+    __slots__ = ("epoch", "known", "known_count")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_COUNT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     known: bool
-    def __init__(self, epoch: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
+    known_count: int
+    def __init__(self, epoch: _Optional[int] = ..., known: _Optional[bool] = ..., known_count: _Optional[int] = ...) -> None: ...
 
 class RecoverRequest(_message.Message):
     __slots__ = ("request_id", "failed_worker", "prefix_tokens", "model", "checkpoint", "gateway")

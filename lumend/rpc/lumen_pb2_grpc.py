@@ -71,7 +71,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Finish(self, request, context):
-        """A request ended (completed, failed, or its client left): its queue slot is freed.
+        """Requests ended (completed, failed, or their client left): their queue slots are freed.
+        Gateways batch them off the request path; a lost batch is tolerated (entries expire).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,11 +10,13 @@ gateway retries against the right one.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from lumend.cluster.lease import keeper_of
 from lumend.config import parse_listen
 from lumend.coordinator.service import CoordinatorService, NotReady
 from lumend.rpc import lumen_pb2 as pb
@@ -30,20 +32,52 @@ class RpcBindError(Exception):
     """The rpc listen address cannot be bound; the message names the key and the fix."""
 
 
+def lease_confidence(service: CoordinatorService) -> str | None:
+    """Why the lease of `service`'s term is not confidently held now (None: it is).
+
+    Asked on every call, not once per HA cycle: a cycle can sit in one store call retried
+    for longer than the lease's TTL minus its margin, and a process resumed after SIGSTOP
+    (or a host after suspend) runs the calls queued meanwhile before its HA loop looks
+    again. The lease's clock counts suspend (lumend.cluster.lease.boottime)."""
+    keeper = keeper_of(service.term_lease())
+    if keeper is None:
+        return "this node holds no lease for the term"
+    if not keeper.confident():
+        return (f"lease not renewed for {keeper.seconds_since_renewal():.1f} s (limit "
+                f"{keeper.confident_for_s:.1f} s)")
+    return None
+
+
 class CoordinatorServicer:
-    """gRPC glue: lumen.v1.Coordinator onto the node's CoordinatorService, if it has one."""
+    """gRPC glue: lumen.v1.Coordinator onto the node's CoordinatorService, if it has one.
+
+    Every call is answered only while the term's lease is confidently held (`confidence`,
+    by default `lease_confidence`); otherwise UNAVAILABLE, counted in `refused` and in the
+    term's `lumen_coordinator_decisions{kind="refused_lease"}`."""
 
     def __init__(self, current: Callable[[], CoordinatorService | None],
-                 following: Callable[[], str]) -> None:
+                 following: Callable[[], str],
+                 confidence: Callable[[CoordinatorService], str | None] = lease_confidence
+                 ) -> None:
         self._current = current
         self._following = following
+        self._confidence = confidence
+        self.refused: Counter[str] = Counter()  # calls refused, by why: lease, not_coordinator
 
     async def _service(self, context: Any) -> CoordinatorService:
         service = self._current()
         if service is None:
+            self.refused["not_coordinator"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"not the coordinator: {self._following()}")
         assert service is not None
+        why = self._confidence(service)
+        if why is not None:
+            self.refused["lease"] += 1
+            service.decisions["refused_lease"] += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"coordinator epoch {service.epoch} is not sure of its lease "
+                                f"({why}); retry against the coordinator etcd names")
         return service
 
     async def Admit(self, request: pb.AdmitRequest, context: Any) -> pb.AdmitReply:
@@ -57,7 +91,9 @@ class CoordinatorServicer:
 
     async def Finish(self, request: pb.FinishRequest, context: Any) -> pb.FinishReply:
         service = await self._service(context)
-        return pb.FinishReply(epoch=service.epoch, known=service.finish(request.request_id))
+        known = service.finish(request.request_id) if request.request_id else False
+        batch = service.finish_many(request.request_ids) if request.request_ids else 0
+        return pb.FinishReply(epoch=service.epoch, known=known, known_count=known + batch)
 
     async def Recover(self, request: pb.RecoverRequest, context: Any) -> pb.RecoverReply:
         service = await self._service(context)
@@ -77,6 +113,8 @@ class CoordinatorServicer:
             if self._current() is not service:  # stepped down mid-stream: send them on
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"no longer the coordinator: {self._following()}")
+            if not report.ckpt_id and not report.holder:
+                continue  # a keepalive (lumend.rpc.client.ProgressStream)
             if not report.ckpt_id or not report.holder:
                 unknown += 1
                 continue

@@ -22,8 +22,10 @@ def test_the_negative_control_a_changed_proto_is_caught(tmp_path: Path) -> None:
     proto = (REPO / "lumend/rpc/lumen.proto").read_text()
     edited = tmp_path / "lumend" / "rpc" / "lumen.proto"
     edited.parent.mkdir(parents=True)
-    edited.write_text(proto.replace("string request_id = 1;\n}",
-                                    "string request_id = 1;\n  bool extra = 2;\n}", 1))
+    changed = proto.replace("message ProgressReply {\n",
+                            "message ProgressReply {\n  bool extra = 9;\n", 1)
+    assert changed != proto
+    edited.write_text(changed)
     from grpc_tools import protoc
 
     out = tmp_path / "out"
