@@ -35,6 +35,7 @@ from lumenctl.report import checkpoints_document, events_document, status_docume
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import ClusterSettings, Event, Intent, decode_value, encode_value
 from lumend.cluster.store import (
+    CreateRevisionIs,
     Delete,
     EtcdStore,
     Put,
@@ -83,10 +84,24 @@ app = typer.Typer(
     name="lumenctl",
     help="Operate a LUMEN cluster: status, agent, events, checkpoints, drain/undrain, "
     "failover, keys.\n\n"
-    "Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable.",
+    "Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable."
+    "\n\nGlobal options go before or after the command (`lumenctl status -o json`). Shell "
+    "completion: `lumenctl --install-completion` (bash, zsh, fish).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
 )
+
+
+def _version_text() -> str:
+    from lumend import __version__
+
+    return f"lumenctl {__version__} (distribution lumen-serving)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(_version_text())
+        raise typer.Exit(0)
 
 
 @app.callback()
@@ -120,6 +135,8 @@ def global_options(
         None, "--key", envvar="LUMEN_ETCD_KEY",
         help="Client key for etcd (default: etcd.key of --config).",
     ),
+    _version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                  help="Print the version and exit."),
 ) -> None:
     defaults = _defaults_from_config(config)
     endpoint_list = (
@@ -152,6 +169,12 @@ def _defaults_from_config(path: Path) -> dict[str, Any]:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         _fail(EXIT_USAGE, f"cannot read {path}: {exc}; fix it or point --config elsewhere")
     return etcd if isinstance(etcd, dict) else {}
+
+
+@app.command()
+def version() -> None:
+    """Print the version (as --version does)."""
+    typer.echo(_version_text())
 
 
 # -- status -----------------------------------------------------------------------------
@@ -222,22 +245,73 @@ async def _read_view(c: Context, store: EtcdStore) -> ClusterView:
 def events(
     ctx: typer.Context,
     limit: int = typer.Option(50, "--limit", "-n", min=1, help="Show the newest N events."),
+    watch: float | None = typer.Option(
+        None, "--watch", "-w", "--follow", metavar="[SECONDS]",
+        help=f"Then follow: print each new event as it is recorded, checking every SECONDS "
+        f"(default {DEFAULT_WATCH_S:g}), until interrupted. -o json: one JSON object a line; "
+        "-o yaml: one document per event."),
 ) -> None:
     """The cluster's recovery, failover and coordinator history, oldest first."""
     c: Context = ctx.obj
+    if watch is not None and watch <= 0:
+        _fail(EXIT_USAGE, f"--watch {watch:g}: the interval must be positive")
     view = _run(c, lambda store: _read_view(c, store))
-    _emit(c, events_document(c.cluster, view.events[-limit:]), events_table)
+    shown = view.events[-limit:]
+    if watch is None:
+        _emit(c, events_document(c.cluster, shown), events_table)
+        return
+    seen = {_event_id(e) for e in view.events}
+    for event in shown:
+        _emit_event(c, event)
+    while True:
+        sys.stdout.flush()
+        _sleep_or_exit(watch)
+        view = _run(c, lambda store: _read_view(c, store))
+        for event in view.events:
+            if _event_id(event) not in seen:
+                seen.add(_event_id(event))
+                _emit_event(c, event)
+
+
+def _event_id(event: Event) -> tuple[float, str, str, str]:
+    return event.at, event.kind, event.source, event.message
+
+
+def _emit_event(c: Context, event: Event) -> None:
+    """One event as a line (table), a JSON line, or a YAML document."""
+    row = msgspec.to_builtins(event)
+    if c.output is Output.json:
+        typer.echo(msgspec.json.encode(row).decode())
+    elif c.output is Output.yaml:
+        typer.echo(as_yaml(row))
+        typer.echo("---")
+    else:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
+        epoch = "" if event.epoch is None else f" epoch {event.epoch}"
+        typer.echo(f"{at}  {event.kind}  {event.source}{epoch}  {event.message}")
 
 
 # -- checkpoints ------------------------------------------------------------------------
 
 
 @app.command()
-def checkpoints(ctx: typer.Context) -> None:
+def checkpoints(
+    ctx: typer.Context,
+    watch: float | None = typer.Option(
+        None, "--watch", "-w", metavar="[SECONDS]",
+        help=f"Refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until interrupted."),
+) -> None:
     """KV checkpoint holders: bytes held against each budget, requests, balance."""
     c: Context = ctx.obj
-    _emit(c, checkpoints_document(_run(c, lambda store: _read_view(c, store))),
-          checkpoints_table)
+    if watch is not None and watch <= 0:
+        _fail(EXIT_USAGE, f"--watch {watch:g}: the interval must be positive")
+    while True:
+        _emit(c, checkpoints_document(_run(c, lambda store: _read_view(c, store))),
+              checkpoints_table, yaml_end="---" if watch is not None else None)
+        if watch is None:
+            return
+        sys.stdout.flush()
+        _sleep_or_exit(watch)
 
 
 # -- intents ----------------------------------------------------------------------------
@@ -259,14 +333,33 @@ def drain(
         "`lumenctl --timeout` before the command is the etcd request timeout)."),
     reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    force: bool = typer.Option(
+        False, "--force", help="Drain even when it takes the last serving worker of a model "
+        "(that model then gets no new requests anywhere)."),
 ) -> None:
     """Stop admitting requests on a node or worker (writes a drain intent). Requests in
     flight there finish where they are, or move elsewhere with --migrate. The intent stays
-    until `lumenctl undrain`."""
+    until `lumenctl undrain`. Refuses (exit 1) to take the last serving worker of a model
+    unless --force."""
     c: Context = ctx.obj
+    if not force:
+        view = _run(c, lambda store: _read_view(c, store))
+        lost = last_serving_models(view, target)
+        if lost:
+            _fail(EXIT_FAILED, f"draining {target} would leave no serving worker for "
+                  f"{', '.join(lost)}: new requests for it would fail everywhere. Start or "
+                  "undrain another worker of it first, or pass --force")
     _write_intent(c, "drain", target, reason, migrate, yes, workers_only=False)
     if wait:
         _wait_for_drain(c, target, migrate, timeout_s)
+
+
+def last_serving_models(view: ClusterView, target: str) -> list[str]:
+    """Models whose every serving worker is the target or on the target node."""
+    serving = [w for w in view.workers.values() if w.state == "serving"]
+    taken = {w.model for w in serving if target in (w.name, w.node)}
+    left = {w.model for w in serving if target not in (w.name, w.node)}
+    return sorted(taken - left)
 
 
 DRAIN_POLL_S = 0.2
@@ -685,26 +778,59 @@ def config_set(
     ctx: typer.Context,
     key: str = typer.Argument(..., help="alpha, beta, theta, tau or mode."),
     value: str = typer.Argument(..., help="The new value."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
-    """Change a setting; the coordinator applies it from its next decision on."""
+    """Change a setting; the coordinator applies it from its next decision on. Shows the
+    change and asks first (--yes: do not ask); refuses, changing nothing, when someone else
+    changed the settings between the read and the write."""
     from lumend.coordinator.settings import parse_setting
 
     c: Context = ctx.obj
 
-    async def write(store: EtcdStore) -> tuple[object, object]:
-        current = await _read_settings(c, store)
+    async def read(store: EtcdStore) -> tuple[ClusterSettings, Any]:
+        return await _read_settings(c, store), await store.get(c.keys.config)
+
+    current, stored = _run(c, read)
+    try:
         updated = parse_setting(current, key, value)
+    except ValueError as exc:  # a SettingError: names the setting and what it accepts
+        _fail(EXIT_USAGE, str(exc))
+    before, after = getattr(current, key), getattr(updated, key)
+    if before == after:
+        typer.echo(f"{key} is already {after} in cluster {c.cluster!r}: nothing to change")
+        return
+    typer.echo(f"cluster {c.cluster!r}, policy settings:\n  - {key} = {before}\n"
+               f"  + {key} = {after}")
+    if not yes:
+        if not sys.stdin.isatty():
+            _fail(EXIT_USAGE, f"refusing to set {key} without confirmation: pass --yes")
+        if not typer.confirm("apply?"):
+            _fail(EXIT_FAILED, "cancelled")
+
+    async def write(store: EtcdStore) -> bool:
+        # Compare-and-swap: the write lands only if the key is as it was read (absent, or
+        # the same create revision and value); otherwise nothing is written.
+        now_stored = await store.get(c.keys.config)
+        same = (now_stored is None and stored is None) or (
+            now_stored is not None and stored is not None
+            and now_stored.mod_revision == stored.mod_revision)
+        if not same:
+            return False
         now = time.time()
-        before, after = getattr(current, key), getattr(updated, key)
         event = Event(at=now, kind="config_changed", source="lumenctl",
                       message=f"{getpass.getuser()}@{socket.gethostname()} set {key} = "
                       f"{after} (was {before})")
         event_key = c.keys.event(int(now * 1000), "lumenctl", os.getpid() % 10000)
-        await store.txn([], [Put(c.keys.config, encode_value(updated)),
-                             Put(event_key, encode_value(event))])
-        return before, after
+        revision = 0 if stored is None else stored.create_revision
+        result = await store.txn([CreateRevisionIs(c.keys.config, revision)],
+                                 [Put(c.keys.config, encode_value(updated)),
+                                  Put(event_key, encode_value(event))])
+        return result.succeeded
 
-    before, after = _run(c, write)  # a SettingError (a ValueError) exits 2 with its message
+    if not _run(c, write):
+        _fail(EXIT_FAILED, f"the settings of cluster {c.cluster!r} changed since they were "
+              "read (someone else set them): nothing written; run `lumenctl config show` "
+              "and try again")
     typer.echo(f"{key} = {after} (was {before}) in cluster {c.cluster!r}")
 
 
@@ -794,12 +920,48 @@ def _fail(code: int, message: str) -> NoReturn:
     raise typer.Exit(code)
 
 
+# Global options that take a value, and the commands with an -o/--output of their own.
+_GLOBAL_VALUED = frozenset({"--endpoints", "--cluster", "--output", "-o", "--config",
+                            "--timeout", "--ca-cert", "--cert", "--key"})
+_OWN_OUTPUT = frozenset({"sim"})
+
+
+def _hoist_output(argv: list[str]) -> list[str]:
+    """Move -o/--output given after the command (`lumenctl status -o json`, as kubectl users
+    type it) in front of it, where the global option is parsed."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 1 if "=" in argv[i] or argv[i] not in _GLOBAL_VALUED else 2
+    if i >= len(argv) or argv[i] in _OWN_OUTPUT:
+        return argv
+    head, rest, moved = argv[:i], [], []
+    j = i
+    while j < len(argv):
+        arg = argv[j]
+        if arg == "--":
+            rest += argv[j:]
+            break
+        if arg in ("-o", "--output") and j + 1 < len(argv):
+            moved += [arg, argv[j + 1]]
+            j += 2
+            continue
+        if arg.startswith("--output=") or (arg.startswith("-o") and len(arg) > 2
+                                           and not arg.startswith("--")):
+            moved.append(arg)
+        else:
+            rest.append(arg)
+        j += 1
+    return head + moved + rest
+
+
 def _normalize_argv(argv: list[str]) -> list[str]:
-    """Let `--watch` stand alone (`status --watch`) as well as take SECONDS."""
+    """Let `--watch` stand alone (`status --watch`) as well as take SECONDS, and -o after
+    the command."""
+    argv = _hoist_output(argv)
     out: list[str] = []
     for i, arg in enumerate(argv):
         out.append(arg)
-        if arg in ("--watch", "-w"):
+        if arg in ("--watch", "-w", "--follow"):
             following = argv[i + 1] if i + 1 < len(argv) else None
             if following is None or not _is_number(following):
                 out.append(str(DEFAULT_WATCH_S))
