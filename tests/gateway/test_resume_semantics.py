@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -428,3 +429,45 @@ def test_sampled_streams_broken_inside_a_character_resume_after_their_ids(
 
 def test_an_engine_resumed_inside_a_character_prints_the_wrong_text(tmp_path: Path) -> None:
     asyncio.run(_test_an_engine_resumed_inside_a_character_prints_the_wrong_text(tmp_path))
+
+
+async def _stalled_client(base: str, gateway: Gateway, wait_s: float) -> float | None:
+    """A client that sends a long streamed request and never reads: how long until the
+    gateway dropped it and closed its engine stream (None: not within `wait_s`)."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    body = json.dumps({"prompt": "x", "max_tokens": 60000, "stream": True,
+                       "logprobs": 5}).encode()  # big chunks fill the buffers sooner
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < wait_s:
+            if gateway.counters.requests["client_gone"] and not any(gateway.in_flight.values()):
+                return time.monotonic() - started
+            await asyncio.sleep(0.05)
+        return None
+    finally:
+        sock.close()
+
+
+async def _test_a_client_that_stops_reading_is_dropped(tmp_path: Path) -> None:
+    """A client that reads nothing for [gateway] client_write_s is dropped and its engine
+    stream closed (it would hold an engine slot and the gateway's memory). Control: with a
+    long client_write_s the same client is still served at twice the time it took."""
+    args = ["--time-scale", "0.005", "--tokens-per-chunk", "8"]
+    async with cluster(tmp_path / "short", args, workers=1,
+                       timing=GatewayTiming(client_write_s=0.5)) as (gateway, base, _):
+        took = await _stalled_client(base, gateway, 60.0)
+    assert took is not None, "a client that read nothing for 0.5 s was not dropped"
+    async with cluster(tmp_path / "long", args, workers=1,
+                       timing=GatewayTiming(client_write_s=600.0)) as (gateway, base, _):
+        assert await _stalled_client(base, gateway, max(3.0, 2 * took)) is None
+        assert gateway.counters.requests["client_gone"] == 0
+
+
+def test_a_client_that_stops_reading_is_dropped(tmp_path: Path) -> None:
+    asyncio.run(_test_a_client_that_stops_reading_is_dropped(tmp_path))
