@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from pathlib import Path
 
@@ -149,7 +150,7 @@ async def soak(endpoints: list[str], compact: bool, seed: int, steps: int) -> li
         compressed(ClusterAgent(
             store, keys, identity(f"n{i}"),
             AgentTiming(lease_ttl_s=60, heartbeat_s=STEP_S, loop_s=1.0),
-            (lambda n=f"n{i}": workers_of(n)), wall_clock=wall, monotonic=mono,
+            functools.partial(workers_of, f"n{i}"), wall_clock=wall, monotonic=mono,
             compact_every_s=COMPACT_EVERY_S if compact else float("inf"),
             compact_keep_revisions=500, trim_every_s=COMPACT_EVERY_S), store)
         for i in range(NODES)
