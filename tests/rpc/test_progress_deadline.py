@@ -22,8 +22,8 @@ from lumend.rpc import lumen_pb2_grpc as stubs
 from lumend.rpc.progress import ProgressReporter
 from lumend.rpc.server import CoordinatorServicer
 
-from .test_coordinator_service import view as decoded_view
 from ..unit.test_gateway_checkpoints import worker
+from .test_coordinator_service import view as decoded_view
 
 SERVER = textwrap.dedent("""
     import asyncio, grpc
