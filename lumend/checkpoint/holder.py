@@ -61,6 +61,10 @@ class HolderConfig:
     max_page_bytes: int = wire.DEFAULT_MAX_PAGE_BYTES
     sweep_interval_s: float = 5.0
     rcvhwm: int = 1000
+    # What one peer may have queued here before the budget sees it, in bytes: the socket's
+    # high-water mark (messages, per peer) is set so that its largest messages fit in it.
+    # Beyond it the peer's own queue fills, in the peer's memory, and its sends fail there.
+    queue_bytes: int = 1 << 30
     curve: CurveKeys | None = None  # None: no authentication, no encryption (tests only)
 
 
@@ -117,10 +121,10 @@ class HolderService:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, int(ipv6))
-        sock.setsockopt(zmq.RCVHWM, self.config.rcvhwm)
+        sock.setsockopt(zmq.RCVHWM, self.queue_messages())
         # libzmq drops (and disconnects) a peer whose message is far beyond any page, before
         # buffering it; pages merely over the limit arrive and are refused and counted here.
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_page_bytes + wire.MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes())
         if curve is not None:
             curve.serve(sock)
             self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
@@ -142,6 +146,15 @@ class HolderService:
             log.warning("checkpoint holder without CURVE keys: any peer that reaches %s can "
                         "store and read KV pages, which travel in clear; set [checkpoint] "
                         "keys outside tests", self.endpoint)
+
+    def max_message_bytes(self) -> int:
+        return 2 * self.config.max_page_bytes + wire.MAX_HEADER_BYTES
+
+    def queue_messages(self) -> int:
+        """The receive high-water mark: as many of the largest messages as fit in
+        `queue_bytes`, at least 4 (and at most `rcvhwm`)."""
+        fit = self.config.queue_bytes // self.max_message_bytes()
+        return max(4, min(self.config.rcvhwm, fit))
 
     def _bind_zap(self) -> None:
         try:
@@ -206,12 +219,20 @@ class HolderService:
         while True:
             parts = await sock.recv_multipart(copy=False)
             try:
-                reply = self.handle(parts[1:])
+                if _lookup_size(parts) > LOOKUP_INLINE_HASHES:
+                    # A long prompt's lookup (hashes x tp ranks) runs beside the event loop,
+                    # which renews lumend's etcd lease; nothing else is handled meanwhile.
+                    reply = await asyncio.to_thread(self.handle, parts[1:])
+                else:
+                    reply = self.handle(parts[1:])
             except Exception:  # a bug here must not take the holder down with it
                 log.exception("checkpoint holder: unexpected error handling a message")
                 reply = [wire.encode_header(wire.error_reply(0, "malformed", "internal error"))]
             with contextlib.suppress(zmq.Again):
                 await sock.send_multipart([parts[0], *reply], flags=zmq.NOBLOCK, copy=False)
+            # A receive with messages queued completes without giving the loop a turn: under
+            # a flood of pages the lease keepalive and heartbeats would wait for the flood.
+            await asyncio.sleep(0)
 
     def _allowed_key(self) -> bytes:
         assert self.config.curve is not None
@@ -285,6 +306,10 @@ class HolderService:
                                  dtype=m.dtype, page_shape=list(m.page_shape))
             return [wire.encode_header(reply), page.data]
         if h.op == wire.FINISH:
+            if not h.request_id:
+                raise WireError("malformed", "request_id: a FINISH must name the engine "
+                                "request that ended (without one it would free a checkpoint "
+                                "another engine resumed from)")
             if store.finish(h.ckpt_id, h.request_id) is None:
                 self.finishes_ignored += 1  # from an engine the request has moved away from
             return [wire.encode_header(wire.request(wire.ACK, seq=h.seq, ckpt_id=h.ckpt_id))]
@@ -302,6 +327,18 @@ class HolderService:
             self._last_warning[reason] = now
             log.warning("checkpoint holder refused a message (%s): %s [%d so far]",
                         reason, message, self.bad_frames[reason])
+
+
+LOOKUP_INLINE_HASHES = 512  # larger lookups run in a thread
+
+
+def _lookup_size(parts: Sequence[Any]) -> int:
+    """A rough size of a message's work: its header's bytes / 32 for a LOOKUP (one hash per
+    32 bytes), else 0. Read before decoding, so it never raises."""
+    if len(parts) != 2:
+        return 0
+    header = memoryview(parts[1])
+    return header.nbytes // 32 if b"lookup" in header[:256].tobytes() else 0
 
 
 def _seq_of(parts: Sequence[Any]) -> int:

@@ -59,9 +59,10 @@ class Checkpoint:
     nbytes: int = 0
     tokens: int = 0
     sealed: bool = False  # a page was refused: what it holds stays, nothing more is added
-    # The engine request that last wrote (PUT) or looked it up (LOOKUP) to resume: only its
-    # FINISH frees the checkpoint. After a request moved to another engine, the engine it
-    # left must not free what the new one continues from.
+    # The engine request that first wrote it (PUT), or the newest that looked it up (LOOKUP)
+    # to resume: only its FINISH frees the checkpoint. After a request moved to another
+    # engine, the engine it left (which may still be writing, during a make-before-break
+    # migration) must not free what the new one continues from.
     owner: str = ""
 
     def add(self, block_hash: bytes, tp_rank: int, page: Page) -> None:
@@ -155,7 +156,7 @@ class CheckpointStore:
             self.checkpoints[ckpt_id] = ckpt
             stats.requests += 1
         ckpt.add(block_hash, tp_rank, Page(meta, data, nbytes))
-        ckpt.owner = request_id or ckpt.owner
+        ckpt.owner = ckpt.owner or request_id
         stats.bytes_held += growth
         return PutResult(ckpt.reached.get(tp_rank, 0), tuple(evicted))
 

@@ -150,9 +150,9 @@ class CheckpointStreamer:
         self.counters.sent += 1
         return True
 
-    def finish(self, ckpt_id: str, request_id: str = "") -> bool:
-        """Tell the holder the request ended (its pages are freed unless another request
-        has resumed the checkpoint since: name `request_id`); False when not sent."""
+    def finish(self, ckpt_id: str, request_id: str) -> bool:
+        """Tell the holder the request `request_id` ended (its pages are freed unless another
+        request has resumed the checkpoint since); False when not sent."""
         progress = self.progress.pop(ckpt_id, None)
         if progress is not None:
             progress.finished = True

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from lumend.checkpoint import wire
 from lumend.checkpoint.holder import HolderConfig, HolderService
@@ -74,7 +78,7 @@ def test_get_many_fetches_the_held_prefix_with_gets_in_flight(
 def test_finish_frees_the_pages(holder: RunningHolder, make_streamer: MakeStreamer) -> None:
     s = make_streamer(holder.endpoint)
     stream(s, "c1", range(3))
-    assert s.finish("c1")
+    assert s.finish("c1", "req-c1")
     assert s.lookup("c1", [block_hash("c1", 0)]) == 0  # ordered after the FINISH
     assert holder.stats().workers["w0"].bytes_held == 0
 
@@ -159,7 +163,7 @@ def test_the_budget_holds_under_a_random_workload(make_holder: MakeHolder,
             next_block[ckpt] = i + 1
             s.wait_acks(ckpt, 10)
         else:
-            s.finish(ckpt)
+            s.finish(ckpt, ckpt)
             next_block.pop(ckpt, None)
         for worker in holder.stats().workers.values():
             assert worker.bytes_held <= budget
@@ -235,3 +239,46 @@ def test_random_and_mutated_input_never_raises() -> None:
     assert 0 < bad <= errors
     good_reply = wire.decode(service.handle(wire.frames(put_header(ckpt_id="ok"), page(0))))
     assert good_reply.header.op == "ack"
+
+
+def test_a_flood_of_pages_leaves_the_event_loop_turns(make_holder: MakeHolder,
+                                                      make_streamer: MakeStreamer) -> None:
+    """lumend renews its etcd lease on the loop the holder serves on: while pages are
+    queued, the holder must still give the loop a turn between messages. A ticker on that
+    loop records how many pages were handled at each of its turns; a receive loop that never
+    yields would let thousands through between two turns."""
+    holder = make_holder(budget_bytes=4096 * PAGE)
+    marks: list[int] = []
+    stop = threading.Event()
+
+    async def tick() -> None:
+        while not stop.is_set():
+            marks.append(holder.service.store.stats["w0"].requests)
+            await asyncio.sleep(0)
+
+    ticker = asyncio.run_coroutine_threadsafe(tick(), holder._loop)
+    s = make_streamer(holder.endpoint, sndhwm=100_000)
+    flood = 3000
+    for i in range(flood):
+        assert s.put_block(ckpt_id=f"f{i}", request_id=f"r{i}", worker="w0", block_index=0,
+                           block_hash=block_hash(f"f{i}", 0), page=page(0), token_count=16)
+    deadline = time.monotonic() + 60
+    while holder.call(lambda: holder.service.store.stats["w0"].requests) < flood:
+        assert time.monotonic() < deadline, "the flood was not handled"
+        time.sleep(0.05)
+    stop.set()
+    ticker.result(timeout=10)
+    gaps = [b - a for a, b in itertools.pairwise(marks)]
+    assert max(gaps) <= 64, f"{max(gaps)} pages were handled between two turns of the loop"
+
+
+def test_what_one_peer_can_queue_is_bounded_in_bytes(make_holder: MakeHolder) -> None:
+    """The receive high-water mark counts messages: with 64 MiB pages, 1000 of them per peer
+    is 64 GiB before the budget is checked. It is derived from [checkpoint]'s page limit."""
+    big = make_holder(max_page_bytes=64 << 20)
+    sock = big.service._socket
+    assert sock is not None
+    hwm = big.call(lambda: sock.getsockopt(zmq.RCVHWM))
+    assert hwm * big.service.max_message_bytes() <= big.service.config.queue_bytes
+    small = make_holder(max_page_bytes=64 * PAGE)  # control: small pages queue as before
+    assert small.service.queue_messages() == 1000

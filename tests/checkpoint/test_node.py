@@ -71,7 +71,7 @@ def test_a_node_holds_checkpoints_and_publishes_them(cluster: LocalCluster) -> N
             'lumen_ckpt_bad_frames_total{reason="unauthenticated"}')]
         assert refused and float(refused[0].split()[-1]) >= 1, "the intruder was not counted"
 
-        assert streamer.finish("c1")
+        assert streamer.finish("c1", "r1")
         wait_until(lambda: (r := read_view(cluster.endpoints, cluster.cluster).workers[worker])
                    .checkpoints.bytes_held == 0 and r, 30, "the usage to drop after FINISH")
     finally:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from lumend.checkpoint import wire
 from lumend.checkpoint.streamer import CheckpointStreamer
 
-from .conftest import MakeHolder, RunningHolder, block_hash, page
+from .conftest import MakeHolder, RawPeer, RunningHolder, block_hash, page
 
 
 def held(holder: RunningHolder, ckpt_id: str) -> bool:
@@ -58,7 +59,39 @@ def test_a_lookup_that_matches_nothing_takes_nothing_over_and_plain_finish_frees
     assert engine.finish("c2", "r1")  # still r1's: freed
     assert not settle(holder, "c2", want=False)
 
+
+
+def test_a_put_after_a_lookup_does_not_give_the_checkpoint_back(
+    make_holder: MakeHolder, make_streamer: Callable[..., CheckpointStreamer],
+) -> None:
+    """During a make-before-break migration the engine a request leaves keeps writing
+    pages after the new engine resumed from them: its FINISH must still free nothing.
+    Control: the new engine's FINISH frees them."""
+    holder = make_holder()
+    old_engine, new_engine = make_streamer(holder.endpoint), make_streamer(holder.endpoint)
+    put_two(old_engine, "c4", "r-old")
+    assert new_engine.lookup("c4", [block_hash("c4", i) for i in range(2)],
+                             request_id="r-new") == 2
+    assert old_engine.put_block(ckpt_id="c4", request_id="r-old", worker="w0", block_index=2,
+                                block_hash=block_hash("c4", 2), page=page(2), token_count=48)
+    assert old_engine.wait_acks("c4", 5).reached == 3
+    assert old_engine.finish("c4", "r-old")
+    time.sleep(0.3)
+    assert settle(holder, "c4", want=True), "the old engine's late PUT made it the owner again"
+    assert new_engine.finish("c4", "r-new")
+    assert not settle(holder, "c4", want=False)
+
+
+def test_a_finish_that_names_no_request_is_refused(
+    holder: RunningHolder, raw_peer: RawPeer, make_streamer: Callable[..., CheckpointStreamer],
+) -> None:
+    """An empty request id would free whatever checkpoint it names, a resumed one too."""
+    engine = make_streamer(holder.endpoint)
     put_two(engine, "c3", "r1")
-    assert other.lookup("c3", [block_hash("c3", 0)], request_id="r2") == 1
-    assert engine.finish("c3")  # no request named: unconditional, as before
+    reply = raw_peer.ask(
+        [wire.encode_header(wire.request(wire.FINISH, seq=7, ckpt_id="c3"))])
+    assert reply.op == wire.ERROR and reply.reason == "malformed" and "request_id" in (
+        reply.error)
+    assert settle(holder, "c3", want=True), "a FINISH without a request freed the checkpoint"
+    assert engine.finish("c3", "r1")  # control: the owner's FINISH frees it
     assert not settle(holder, "c3", want=False)
