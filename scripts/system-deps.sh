@@ -4,7 +4,9 @@
 #   etcd-client      etcdctl, which tests use to write malformed records into etcd
 #   libsystemd-dev   headers for the `systemd` extra (systemd-python), with pkg-config
 #   systemd          systemd-analyze, which the unit-file tests run (systemd need not be PID 1)
-#   openssl          the etcd role makes its CA and certificates with it
+#   openssl          the etcd and lumend roles make their CAs and certificates with it
+#   prometheus       promtool and prometheus: the shipped alert rules are checked with
+#                    promtool and evaluated by a real Prometheus (tests/deploy)
 set -euo pipefail
 
 missing=()
@@ -12,6 +14,7 @@ command -v etcd >/dev/null 2>&1 || [ -n "${LUMEN_ETCD_BIN:-}" ] || missing+=(etc
 command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the etcd role's PKI (Ansible tests)
+{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
 if ! command -v pkg-config >/dev/null 2>&1; then
     missing+=(pkg-config libsystemd-dev)
 elif ! pkg-config --exists libsystemd; then
@@ -26,7 +29,8 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update >/dev/null
         apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null
     fi
-    # Debian's package starts an etcd on 2379 where systemd runs; ours start their own.
+    # Debian's packages start an etcd on 2379 and a Prometheus on 9090 where systemd runs;
+    # the tests start their own on free ports.
     exit 0
 fi
 
