@@ -32,7 +32,7 @@ from lumenctl.localcluster import free_ports
 
 
 def serve(engine_port: int, gateway_port: int, workdir: str, time_scale: float,
-          profile: str | None) -> None:
+          profile: str | None, pin: bool) -> None:
     """The other process: a supervisor with one sim engine, and a gateway over it."""
     if profile:  # the gateway's own time, for finding where a chunk's cost goes
         import cProfile
@@ -66,6 +66,12 @@ def serve(engine_port: int, gateway_port: int, workdir: str, time_scale: float,
         await gateway.start(f"127.0.0.1:{gateway_port}")
         while not (sup.worker_state() == "serving" and sup.ready()):
             await asyncio.sleep(0.05)
+        if pin:  # the gateway on the last core; the engine (and the client) on the others
+            cores = sorted(os.sched_getaffinity(0))
+            engine = next(s for s in sup.slots if s.proc is not None).proc
+            assert engine is not None
+            os.sched_setaffinity(engine.pid, set(cores[:-1]))
+            os.sched_setaffinity(0, {cores[-1]})
         print(json.dumps({"engine": sup.record().engines[0].url}), flush=True)
         await asyncio.Event().wait()
         await task
@@ -149,25 +155,34 @@ def main() -> None:
                         help="the sim engine's time scale (smaller: faster engine)")
     parser.add_argument("--profile", metavar="PATH",
                         help="profile the gateway's process (cProfile stats written to PATH)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the gateway alone on the last core, engine and client on the "
+                        "others (as on a node whose gateway has a core of its own)")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         engine_port, gateway_port, workdir = args.serve
-        serve(int(engine_port), int(gateway_port), workdir, args.time_scale, args.profile)
+        serve(int(engine_port), int(gateway_port), workdir, args.time_scale, args.profile,
+              args.pin)
         return
     engine_port, gateway_port = free_ports(2)
     with tempfile.TemporaryDirectory() as workdir:
         proc = subprocess.Popen([sys.executable, __file__, "--time-scale", str(args.time_scale),
                                  *(["--profile", args.profile] if args.profile else []),
+                                 *(["--pin"] if args.pin else []),
                                  "--serve", str(engine_port), str(gateway_port), workdir],
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None
             ready = json.loads(proc.stdout.readline())
+            if args.pin:
+                os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:-1]))
             print(f"sim engine {ready['engine']} (time scale {args.time_scale}), gateway on "
                   f"127.0.0.1:{gateway_port}, {args.tokens} tokens per stream, {args.rounds} "
-                  f"rounds per level, {os.cpu_count()} cores shared by client, gateway and "
-                  "engine")
+                  f"rounds per level, " + (
+                      "the gateway pinned to a core of its own, engine and client on the "
+                      f"other {os.cpu_count() - 1}" if args.pin else
+                      f"{os.cpu_count()} cores shared by client, gateway and engine"))
             asyncio.run(measure(ready["engine"], f"http://127.0.0.1:{gateway_port}",
                                 args.concurrency, args.tokens, args.rounds))
         finally:
