@@ -93,7 +93,7 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[int], str]]:
         config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": "lumen", "static_configs": [
+            "scrape_configs": [{"job_name": "lumend", "static_configs": [
                 {"targets": [f"127.0.0.1:{metrics_port}"]}]}],
         }))
         log = (tmp_path / "prometheus.log").open("ab")
@@ -137,7 +137,7 @@ def test_every_rule_evaluates_against_a_live_lumend(
     base = prometheus(node.metrics_port)
 
     def up() -> bool:
-        result = api(base, "query", query='up{job="lumen"} == 1')
+        result = api(base, "query", query='up{job="lumend"} == 1')
         return bool(result and result["result"])
 
     wait_until(up, 60, "Prometheus scraping lumend")
