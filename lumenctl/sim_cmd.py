@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lumend.sim.runner import PolicyRun
     from lumend.sim.workload import Workload
 
+DEFAULT_RATE = 4.4  # req/s per worker without --rate or --scenario: paper-4w's load
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
@@ -192,7 +193,7 @@ def _workload(trace: Path | None, cfg: SimConfig, per_worker: float | None,
     from lumend.sim.workload import read_trace, synthetic
 
     if trace is None:
-        total = (per_worker if per_worker is not None else 5.9) * cfg.workers
+        total = (per_worker if per_worker is not None else DEFAULT_RATE) * cfg.workers
         return synthetic(total, duration if duration is not None else 900.0, cfg.seed)
     workload = read_trace(trace)
     if per_worker is not None:

@@ -26,6 +26,26 @@ ties go to the lowest index, so every decision is deterministic.
 `place_checkpoint`, `recover` and `assist_target` dispatch on `PolicyConfig.mode` and on the
 mechanism switches (used for ablations: each LUMEN mechanism replaces its fixed-checkpoint
 counterpart).
+
+Cost-aware mode (`PolicyConfig.cost_aware`; the simulator's `lumen`, off by default for the
+coordinator until it feeds the columns below): decisions in seconds.
+
+* L_hat is seconds: `alpha` = 1 / restore bandwidth (s per held byte: the restore work a
+  holder faces), `beta` = seconds of work one queued request stands for (the simulator's
+  `lumend.sim.config.cost_policy` derives both from its cost model). Algorithm 1 is
+  unchanged over these units.
+* Admission (`admission`): "lhat" (paper: argmin L_hat, checkpoint bytes included) or
+  "queue" (join the shortest queue: held checkpoints cost no GPU time, so they do not
+  unbalance serving). `least_loaded` admits and picks recompute targets by it.
+* Algorithm 2 by estimated completion time (`route_by_completion`): resume at the holder
+  (its queued work + restore bytes / restore bandwidth + the tail's recompute) against
+  recompute at the survivor with the least queued work (its work + the whole context's
+  recompute), each plus the delay the request's own seconds impose on the requests already
+  there (`delay_weight`; `completion_estimates`); resume on ties. Queued work is
+  `LoadSnapshot.work_s` when the caller gives it (seconds of queued prefill and restores
+  from its cost model), else beta * queue. theta and tau are not used.
+* Algorithm 3 by predicted gain (`assist_gain`, the caller's `LoadSnapshot.assist_gain`):
+  the survivor with the highest positive gain, none when no gain is positive or unknown.
 """
 
 from __future__ import annotations
@@ -38,6 +58,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 GIB = float(1 << 30)
+ADMISSIONS = ("lhat", "queue")
 
 
 class Mode(StrEnum):
@@ -65,12 +86,29 @@ class PolicyConfig:
     load_aware_placement: bool = True
     adaptive_routing: bool = True
     draft_assist: bool = True
+    # Cost-aware decisions (module docstring); the defaults keep the paper's forms.
+    cost_aware: bool = False
+    admission: str = "lhat"                 # "lhat" (Eq. 4) or "queue" (shortest queue)
+    restore_bytes_per_s: float = 25e9       # checkpoint pages host -> GPU at the holder
+    recompute_s_per_token: float = 1e-4     # prefill seconds per token (a full chunk's)
+    kv_bytes_per_token: float = 262144.0    # to turn a checkpointed prefix into bytes
+    block_tokens: int = 16
+    delay_weight: float = 1.0               # routing: weight of the delay imposed on others
 
     def __post_init__(self) -> None:
         if self.alpha < 0 or self.beta < 0:
             raise ValueError(f"alpha and beta must be >= 0, got {self.alpha}, {self.beta}")
         if self.tau < 0:
             raise ValueError(f"tau must be >= 0 blocks, got {self.tau}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got "
+                             f"{self.admission!r}")
+        if self.restore_bytes_per_s <= 0 or self.recompute_s_per_token < 0:
+            raise ValueError("restore_bytes_per_s must be > 0 and recompute_s_per_token >= 0")
+        if self.kv_bytes_per_token < 0 or self.block_tokens < 1:
+            raise ValueError("kv_bytes_per_token must be >= 0 and block_tokens >= 1")
+        if self.delay_weight < 0:
+            raise ValueError(f"delay_weight must be >= 0, got {self.delay_weight}")
 
     @property
     def checkpoints(self) -> bool:
@@ -91,6 +129,8 @@ class WorkerLoad:
     queue: int
     budget_bytes: float = math.inf
     alive: bool = True
+    work_s: float | None = None       # seconds of queued prefill and restores (cost model)
+    assist_gain: float | None = None  # predicted gain of draft-assisting it (assist_gain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,15 +146,22 @@ class LoadSnapshot:
     queue: Sequence[int]
     budget_bytes: Sequence[float]
     alive: Sequence[bool]
+    # Optional (cost-aware mode): None when the caller does not estimate them.
+    work_s: Sequence[float] | None = None
+    assist_gain: Sequence[float] | None = None
 
     @classmethod
     def from_workers(cls, workers: Sequence[WorkerLoad]) -> LoadSnapshot:
+        work = [w.work_s for w in workers]
+        gain = [w.assist_gain for w in workers]
         return cls(
             nodes=tuple(w.node for w in workers),
             ckpt_bytes=tuple(w.ckpt_bytes for w in workers),
             queue=tuple(w.queue for w in workers),
             budget_bytes=tuple(w.budget_bytes for w in workers),
             alive=tuple(w.alive for w in workers),
+            work_s=None if None in work else tuple(v for v in work if v is not None),
+            assist_gain=None if None in gain else tuple(v for v in gain if v is not None),
         )
 
     def __len__(self) -> int:
@@ -151,8 +198,102 @@ def _argmin(values: list[float]) -> int | None:
 
 
 def least_loaded(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
-    """argmin L_hat over live workers: admission, and recompute targets."""
+    """Admission, and recompute targets: argmin L_hat over live workers, or the shortest
+    queue with `admission = "queue"`."""
+    if cfg.admission == "queue":
+        return _argmin(queues(snapshot))
     return _argmin(loads(snapshot, cfg))
+
+
+def queues(snapshot: LoadSnapshot) -> list[float]:
+    """Queue length of every worker as a float; dead workers get +inf."""
+    return [float(q) if ok else math.inf
+            for q, ok in zip(snapshot.queue, snapshot.alive, strict=True)]
+
+
+def work(snapshot: LoadSnapshot, cfg: PolicyConfig) -> list[float]:
+    """Seconds of queued work per worker (+inf when dead): the snapshot's `work_s`, else
+    beta * queue (beta in seconds per request in cost-aware mode)."""
+    given = snapshot.work_s
+    if given is None:
+        given = [cfg.beta * q for q in snapshot.queue]
+    return [v if ok else math.inf for v, ok in zip(given, snapshot.alive, strict=True)]
+
+
+def recompute_s(tokens: float, cfg: PolicyConfig) -> float:
+    return max(0.0, tokens) * cfg.recompute_s_per_token
+
+
+def restore_s(tokens: float, cfg: PolicyConfig) -> float:
+    return max(0.0, tokens) * cfg.kv_bytes_per_token / cfg.restore_bytes_per_s
+
+
+def completion_estimates(
+    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, total_tokens: int,
+    cfg: PolicyConfig,
+) -> tuple[float, int | None, float]:
+    """(cost of resuming at the holder, the recompute target, cost of recomputing there);
+    +inf where impossible. A cost is the request's estimated completion (the target's queued
+    work + its own restore/recompute seconds) plus `delay_weight` times the delay its own
+    seconds impose on the requests already at the target (they share its GPU steps): the
+    extra work of recomputing delays everyone behind it, which matters most when the
+    survivors are overloaded."""
+    queued = work(snapshot, cfg)
+    weight = cfg.delay_weight
+    target = _argmin(queued)
+    recompute = math.inf
+    if target is not None:
+        own = recompute_s(total_tokens, cfg)
+        recompute = queued[target] + own * (1.0 + weight * snapshot.queue[target])
+    resume = math.inf
+    if holder is not None and snapshot.alive[holder] and prefix_blocks > 0:
+        tokens = min(prefix_blocks * cfg.block_tokens, max(total_tokens - 1, 0))
+        own = restore_s(tokens, cfg) + recompute_s(total_tokens - tokens, cfg)
+        resume = queued[holder] + own * (1.0 + weight * snapshot.queue[holder])
+    return resume, target, recompute
+
+
+def route_by_completion(
+    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig,
+    total_tokens: int | None = None,
+) -> Route | None:
+    """Algorithm 2 by estimated completion time: resume at the holder unless recomputing at
+    the survivor with the least queued work is strictly faster (`completion_estimates`).
+    `total_tokens` (prompt + generated) defaults to the checkpointed prefix."""
+    total = prefix_blocks * cfg.block_tokens if total_tokens is None else total_tokens
+    resume, target, recompute = completion_estimates(snapshot, holder, prefix_blocks, total,
+                                                     cfg)
+    if resume != math.inf and resume <= recompute:
+        assert holder is not None
+        return Route(holder, resume=True)
+    return None if target is None else Route(target, resume=False)
+
+
+def assist_gain(step_s: float, verify_extra_s: float, tokens_per_round: float,
+                prefill_waiting: bool, capacity_bound: bool = False,
+                prefill_share: float = 0.0) -> float:
+    """Predicted relative gain of draft-assisting a survivor whose step takes `step_s`:
+    each assisted step costs `verify_extra_s` more (verifying k drafted tokens per sequence,
+    the draft steps, the round trip) and advances every sequence by `tokens_per_round`
+    instead of 1, so decode throughput changes by `tpr * T0 / (T0 + extra) - 1`; but every
+    longer step also delays the prefill sharing it (TTFT) by `extra / T0`.
+
+    * `capacity_bound` (prefill waits for batch slots or KV, not compute): faster decoding
+      frees slots sooner; the gain is the decode gain.
+    * `prefill_waiting` otherwise: prefill only slows down; the gain is minus the slowdown.
+    * Else the decode gain over the share of steps that decode only, minus the slowdown over
+      the share that carry prefill (`prefill_share`, recent steps with prefill in them).
+    """
+    if step_s <= 0:
+        return 0.0
+    decode = tokens_per_round * step_s / (step_s + verify_extra_s) - 1.0
+    slowdown = verify_extra_s / step_s
+    if capacity_bound:
+        return decode
+    if prefill_waiting:
+        return -slowdown
+    share = min(1.0, max(0.0, prefill_share))
+    return (1.0 - share) * decode - share * slowdown
 
 
 def least_loaded_in(values: list[float]) -> int | None:
@@ -241,10 +382,14 @@ def _other_node_mask(nodes: tuple[str, ...], serving: int) -> tuple[bool, ...]:
 
 
 def route_interrupted(
-    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig
+    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig,
+    total_tokens: int | None = None,
 ) -> Route | None:
     """Algorithm 2. `holder` is None when the request has no usable checkpoint (never
-    placed, or its holder died); `prefix_blocks` is the checkpointed prefix length."""
+    placed, or its holder died); `prefix_blocks` is the checkpointed prefix length.
+    Cost-aware: `route_by_completion` (`total_tokens`: prompt + generated)."""
+    if cfg.cost_aware:
+        return route_by_completion(snapshot, holder, prefix_blocks, cfg, total_tokens)
     if holder is not None and snapshot.alive[holder] and prefix_blocks > 0 and (
         load_hat(snapshot, holder, cfg) <= cfg.theta or prefix_blocks > cfg.tau
     ):
@@ -254,7 +399,16 @@ def route_interrupted(
 
 
 def choose_assist_target(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
-    """Algorithm 3: the most loaded live worker (the one a draft model helps most)."""
+    """Algorithm 3: the most loaded live worker (the one a draft model helps most).
+    Cost-aware: the live worker with the highest positive `assist_gain`; None when none is
+    positive or the snapshot has no gains."""
+    if cfg.cost_aware:
+        gains = snapshot.assist_gain
+        if gains is None:
+            return None
+        live = [g if ok else -math.inf for g, ok in zip(gains, snapshot.alive, strict=True)]
+        best = max(live, default=-math.inf)
+        return live.index(best) if best > 0 else None
     values = loads(snapshot, cfg)
     live = [v if v != math.inf else -math.inf for v in values]
     best = max(live, default=-math.inf)
@@ -324,12 +478,13 @@ def place_checkpoint(
 
 
 def recover(
-    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig
+    snapshot: LoadSnapshot, holder: int | None, prefix_blocks: int, cfg: PolicyConfig,
+    total_tokens: int | None = None,
 ) -> Route | None:
     if cfg.mode is Mode.stop_and_restart:
         return restart_route(snapshot, cfg)
     if cfg.mode is Mode.lumen and cfg.adaptive_routing:
-        return route_interrupted(snapshot, holder, prefix_blocks, cfg)
+        return route_interrupted(snapshot, holder, prefix_blocks, cfg, total_tokens)
     return holder_route(snapshot, holder, prefix_blocks, cfg)
 
 

@@ -40,13 +40,13 @@ from lumend.checkpoint.store import PROTECTED_SHARE
 from lumend.coordinator import policy
 from lumend.engine.costmodel import CostModel, load_cost_model
 from lumend.sim.assist import DraftFunction
-from lumend.sim.config import FaultKind, SimConfig
+from lumend.sim.config import FaultKind, SimConfig, cost_policy
 from lumend.sim.links import Backlog, SharedLink
 from lumend.sim.workload import Workload
 
 IDLE, STEP, RUN = 0, 1, 2
 (EV_STEP, EV_FAULT, EV_RESTORE, EV_DRAFT, EV_RELOAD, EV_SAMPLE, EV_GRAY_END,
- EV_DETECT) = range(8)
+ EV_DETECT, EV_ASSIST) = range(9)
 
 
 class SimError(RuntimeError):
@@ -121,6 +121,7 @@ class Worker:
         "ck_backlog",
         "ck_t",
         "ctx_sum",
+        "decode_steps",
         "drafted",
         "gain",
         "held",
@@ -132,6 +133,7 @@ class Worker:
         "node",
         "peak_held",
         "pending_rate",
+        "prefill_steps",
         "queue",
         "restores",
         "restoring",
@@ -180,6 +182,8 @@ class Worker:
         self.chunks: list[tuple[Req, int]] = []
         self.ck_backlog = 0.0
         self.ck_t = 0.0
+        self.prefill_steps = 0           # steps with prefill / decode only, since the last
+        self.decode_steps = 0            # assist evaluation (cost-aware assist)
 
     def run_time(self, n: int) -> float:
         return n * self.run_base + self.run_inc * n * (n - 1) / 2
@@ -237,7 +241,8 @@ class SimResult:
 class Simulation:
     def __init__(self, workload: Workload, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.pcfg = cfg.policy
+        # A cost-aware policy decides with this cluster's costs (seconds, not requests).
+        self.pcfg = cost_policy(cfg, cfg.policy) if cfg.policy.cost_aware else cfg.policy
         self.cost: CostModel = load_cost_model(cfg.model, cfg.gpu)
         coeff = self.cost.coefficients
         self.a, self.b, self.c, self.d, self.e = coeff.a, coeff.b, coeff.c, coeff.d, coeff.e
@@ -258,10 +263,19 @@ class Simulation:
         self.col_held = [0.0] * n
         self.col_alive = [True] * n
         self.col_load = [0.0] * n
+        # Cost-aware policies: the shortest-queue column (admission), seconds of queued work
+        # (refreshed when interrupted requests are routed) and predicted assist gains.
+        self.cost_aware = cfg.policy.cost_aware
+        self.jsq = cfg.policy.admission == "queue"
+        self.col_jsq = [0.0] * n
+        self.col_work = [0.0] * n
+        self.col_gain = [0.0] * n
         nodes = tuple(w.node for w in self.workers)
         self.snapshot = policy.LoadSnapshot(
             nodes=nodes, ckpt_bytes=self.col_held, queue=self.col_queue,
             budget_bytes=[cfg.budget_bytes] * n, alive=self.col_alive,
+            work_s=self.col_work if self.cost_aware else None,
+            assist_gain=self.col_gain if self.cost_aware else None,
         )
         # Where a full holder would evict: the same choice without budgets.
         self.unbudgeted = replace(self.snapshot, budget_bytes=[math.inf] * n)
@@ -294,7 +308,7 @@ class Simulation:
         self.ck_bw = cfg.link_bytes_per_s
         self.chunk_tokens, self.max_batch = cfg.chunk_tokens, cfg.max_batch
         # Eq. 4 weights, for _touch's inline L_hat (tests check it against policy.loads).
-        self.alpha, self.beta = cfg.policy.alpha, cfg.policy.beta
+        self.alpha, self.beta = self.pcfg.alpha, self.pcfg.beta
 
     # -- event plumbing ---------------------------------------------------------------------
 
@@ -336,6 +350,9 @@ class Simulation:
                 elif kind == EV_RELOAD:
                     assert isinstance(obj, Worker)
                     self._reload_done(obj, now)
+                elif kind == EV_ASSIST:
+                    assert isinstance(obj, Worker)
+                    self._reassist(obj, tag, now)
                 elif kind == EV_GRAY_END:
                     assert isinstance(obj, Worker)
                     self._set_rate(obj, now, speed=1.0)
@@ -358,11 +375,13 @@ class Simulation:
     def _touch(self, i: int) -> None:
         """Worker i's queue, checkpoint bytes or liveness changed: refresh its L_hat
         (policy.load_hat, inlined: this runs several times per request)."""
+        alive = self.col_alive[i]
         self.col_load[i] = (self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
-                            if self.col_alive[i] else math.inf)
+                            if alive else math.inf)
+        self.col_jsq[i] = self.col_queue[i] if alive else math.inf
 
     def _admit(self, r: Req, now: float) -> None:
-        target = policy.least_loaded_in(self.col_load)
+        target = policy.least_loaded_in(self.col_jsq if self.jsq else self.col_load)
         if target is None:
             self.orphans.append(r)
             return
@@ -386,6 +405,7 @@ class Simulation:
         i = w.idx
         self.col_queue[i] -= 1
         self.col_load[i] = self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
+        self.col_jsq[i] = self.col_queue[i]
         if r.holders:
             self._drop_holders(r)
         self.unfinished -= 1
@@ -579,6 +599,7 @@ class Simulation:
         if w.drafted:
             self._verify_drafts(w, len(w.running) * (1 if w.state == STEP else w.run_n))
         if w.state == STEP:
+            w.prefill_steps += 1
             nrun = len(w.running)
             if nrun:
                 self._advance(w, 1)
@@ -600,6 +621,7 @@ class Simulation:
                     self._emit_first(r, w, now)
         else:  # RUN
             nrun = len(w.running)
+            w.decode_steps += w.run_n
             self._advance(w, w.run_n)
             produced += w.run_n * nrun * w.gain
             last = nrun * w.gain * self.stream_kvb
@@ -870,6 +892,7 @@ class Simulation:
                 if r.worker >= 0 and self.col_alive[r.worker] and r.finish < 0:
                     self._set_holders(r, r.worker, float(r.prompt + r.generated), now,
                                       stream=True)
+        self._refresh_work()
         for r in moved:
             self._recover(r, now)
         at = self.fault.at
@@ -899,8 +922,8 @@ class Simulation:
         usable = dict((h, t) for h, t in r.ckpt_by if t > 0)
         holder = policy.choose_replica(self.snapshot, list(usable), self.pcfg) if usable else None
         blocks = usable[holder] // self.cfg.block_tokens if holder is not None else 0
-        route = policy.recover(self.snapshot, holder, blocks, self.pcfg)
         total = r.prompt + r.generated
+        route = policy.recover(self.snapshot, holder, blocks, self.pcfg, total)
         r.ctx = 0.0
         if route is None:
             r.todo = total
@@ -915,6 +938,9 @@ class Simulation:
             r.ctx = float(tokens)
             self.col_queue[w.idx] += 1
             self._touch(w.idx)
+            if self.cost_aware:
+                self.col_work[w.idx] += (policy.restore_s(tokens, self.pcfg)
+                                         + policy.recompute_s(total - tokens, self.pcfg))
             # It now runs on its holder: the checkpoint moves to new holders, whole context.
             self._set_holders(r, w.idx, float(total), now, stream=True)
             if self.cfg.restore_async:
@@ -927,7 +953,49 @@ class Simulation:
                 self._poke(w, now)
             return
         r.todo = total
+        if self.cost_aware:
+            self.col_work[route.worker] += policy.recompute_s(total, self.pcfg)
         self._place(r, route.worker, now)
+
+    def _refresh_work(self) -> None:
+        """Seconds of queued work per worker (cost-aware routing): its queued prefill at
+        the per-token cost of a step beside its decode batch, plus pending page loads."""
+        if not self.cost_aware:
+            return
+        chunk, bw = self.chunk_tokens, self.cfg.restore_bytes_per_s
+        for w in self.workers:
+            todo = 0
+            load = 0.0
+            for r in w.queue:
+                todo += r.todo
+                load += r.load_bytes
+            load += sum(r.ctx for r in w.restoring) * self.kvb
+            nrun = len(w.running)
+            p = max(1, chunk - nrun)
+            per_token = self.cost.step_time(p, nrun, w.ctx_sum) / p / w.speed
+            self.col_work[w.idx] = todo * per_token + load / bw
+
+    def _refresh_gains(self) -> None:
+        """Predicted gain of draft-assisting each live worker (policy.assist_gain), from its
+        current batch and queue."""
+        tpr = self.draft.tokens_per_round()
+        for w in self.workers:
+            nrun = len(w.running)
+            steps = w.prefill_steps + w.decode_steps
+            share = w.prefill_steps / steps if steps else 0.0
+            w.prefill_steps = w.decode_steps = 0
+            if not w.alive or nrun == 0:
+                self.col_gain[w.idx] = -math.inf
+                continue
+            todo = sum(r.todo for r in w.queue)
+            head = w.queue[0].todo if w.queue else 0
+            bound = bool(todo) and (nrun >= self.max_batch
+                                    or w.kv_cap - w.kv_used - nrun < min(head, 1))
+            p = min(todo, max(0, self.chunk_tokens - nrun))
+            step = self.cost.step_time(p, nrun, w.ctx_sum) / w.speed
+            self.col_gain[w.idx] = policy.assist_gain(
+                step, self._assist_extra(w, nrun), tpr, prefill_waiting=todo > 0,
+                capacity_bound=bound, prefill_share=share)
 
     def _schedule_restores(self, w: Worker) -> None:
         at = w.restores.next_done_at()
@@ -955,10 +1023,33 @@ class Simulation:
     def _draft_ready(self, w: Worker, version: int, now: float) -> None:
         if w.alive or version != w.version:
             return
+        if self.cost_aware:
+            # Re-evaluated every assist_eval_s while the worker reloads (_reassist).
+            self._push(now + self.cfg.assist_eval_s, EV_ASSIST, w, w.version)
+            self._refresh_gains()
         taken = [ok and self.workers[i].assisted_by < 0 for i, ok in enumerate(self.col_alive)]
         target = policy.assist_target(replace(self.snapshot, alive=taken), self.pcfg)
         if target is None:
             return
+        self._start_assist(w, target, now)
+
+    def _reassist(self, w: Worker, version: int, now: float) -> None:
+        """Cost-aware assist, re-evaluated: stop where the predicted gain is no longer
+        positive, and assist the survivor with the highest positive gain."""
+        if w.alive or version != w.version:
+            return
+        self._push(now + self.cfg.assist_eval_s, EV_ASSIST, w, w.version)
+        self._refresh_gains()
+        if w.assisting >= 0:
+            if self.col_gain[w.assisting] > 0:
+                return
+            self._stop_assist(w, now)
+        taken = [ok and self.workers[i].assisted_by < 0 for i, ok in enumerate(self.col_alive)]
+        target = policy.assist_target(replace(self.snapshot, alive=taken), self.pcfg)
+        if target is not None:
+            self._start_assist(w, target, now)
+
+    def _start_assist(self, w: Worker, target: int, now: float) -> None:
         t = self.workers[target]
         w.assisting = target
         t.assisted_by = w.idx
@@ -983,6 +1074,7 @@ class Simulation:
         w.steps = 0
         w.ck_t = now
         orphans, self.orphans = self.orphans, []
+        self._refresh_work()
         for r in orphans:
             if r.interrupted_at >= 0 or r.epoch > 0:
                 self._recover(r, now)

@@ -10,7 +10,7 @@ from typing import Any
 
 from lumend.sim.config import SimConfig, apply_policy
 from lumend.sim.engine import SimResult, simulate
-from lumend.sim.metrics import PolicyMetrics, Timeline, summarize
+from lumend.sim.metrics import PolicyMetrics, Timeline, impact_window, recovery_of, summarize
 from lumend.sim.workload import Workload
 
 
@@ -29,10 +29,9 @@ def reference_config(cfg: SimConfig) -> SimConfig:
                    policy=replace(ref.policy, adaptive_routing=False, draft_assist=False))
 
 
-def run_policy(workload: Workload, cfg: SimConfig, name: str,
-               references: dict[SimConfig, SimResult] | None = None) -> PolicyRun:
-    """The faulted run of policy `name` beside its failure-free reference (taken from and
-    added to `references` when given)."""
+def _simulate_pair(workload: Workload, cfg: SimConfig, name: str,
+                   references: dict[SimConfig, SimResult] | None
+                   ) -> tuple[SimResult, SimResult, float]:
     started = time.perf_counter()
     policy_cfg = apply_policy(cfg, name)
     faulted = simulate(workload, policy_cfg)
@@ -42,21 +41,39 @@ def run_policy(workload: Workload, cfg: SimConfig, name: str,
         reference = simulate(workload, key)
         if references is not None:
             references[key] = reference
+    return faulted, reference, time.perf_counter() - started
+
+
+def run_policy(workload: Workload, cfg: SimConfig, name: str,
+               references: dict[SimConfig, SimResult] | None = None) -> PolicyRun:
+    """The faulted run of policy `name` beside its failure-free reference (taken from and
+    added to `references` when given); the impact window is `cfg.window_s` or, when None,
+    until this run has recovered."""
+    faulted, reference, wall = _simulate_pair(workload, cfg, name, references)
     metrics, timeline = summarize(name, faulted, reference, cfg.window_s, cfg.bin_s)
-    return PolicyRun(metrics, timeline, time.perf_counter() - started)
+    return PolicyRun(metrics, timeline, wall)
 
 
 def run_policies(
     workload: Workload, cfg: SimConfig, names: Sequence[str],
-    on_done: Callable[[PolicyRun], None] | None = None,
+    on_done: Callable[[str], None] | None = None,
 ) -> list[PolicyRun]:
-    runs = []
+    """Every policy on `workload`; their metrics over one impact window: `cfg.window_s`, or
+    until the slowest of them has recovered. `on_done(name)` after each simulation."""
+    pairs = []
     references: dict[SimConfig, SimResult] = {}
     for name in names:
-        run = run_policy(workload, cfg, name, references)
-        runs.append(run)
+        pairs.append((name, *_simulate_pair(workload, cfg, name, references)))
         if on_done is not None:
-            on_done(run)
+            on_done(name)
+    window = cfg.window_s
+    if window is None and pairs:
+        window = impact_window([recovery_of(f, cfg.bin_s) for _, f, _, _ in pairs],
+                               pairs[0][1], cfg.bin_s)
+    runs = []
+    for name, faulted, reference, wall in pairs:
+        metrics, timeline = summarize(name, faulted, reference, window, cfg.bin_s)
+        runs.append(PolicyRun(metrics, timeline, wall))
     return runs
 
 

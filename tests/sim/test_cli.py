@@ -61,8 +61,8 @@ def test_extended_policies_and_mechanism_options() -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert [p["policy"] for p in doc["policies"]] == [
-        "stop_and_restart", "fixed_checkpoint", "lumen", "shadow_only", "lumen_shadow",
-        "lumen_dual", "lumen_shadow_dual"]
+        "stop_and_restart", "fixed_checkpoint", "lumen", "lumen_paper", "shadow_only",
+        "lumen_shadow", "lumen_dual", "lumen_shadow_dual"]
     assert doc["eviction"] == "shortest_prefix" and doc["crash_detect_s"] == 2.0
     by_name = {p["policy"]: p for p in doc["policies"]}
     assert by_name["lumen"]["detected_after_s"] == 2.0

@@ -49,7 +49,8 @@ def test_presets_shapes_and_load_time() -> None:
     qwen = load_cost_model("qwen3-32b", "h100-tp4")
     assert qwen.model.kv_bytes_per_token == 256 * 1024
     assert load_cost_model("llama-3-70b", "h100-tp4").model.kv_bytes_per_token == 320 * 1024
-    assert load_cost_model("qwen3-14b", "h100-tp4").model.kv_bytes_per_token == 192 * 1024
+    qwen14 = load_cost_model("qwen3-14b", "h100-tp4").model
+    assert qwen14.kv_bytes_per_token == 40 * 8 * 128 * 2 * 2  # 40 layers, K and V, bf16
     assert qwen.load_time(disk_bytes_per_s=2e9, init_s=10.0) == pytest.approx(65.5 / 2 + 10)
     assert qwen.kv_bytes(100) == 100 * 256 * 1024
     assert qwen.draft is not None and qwen.draft.model.weight_bytes < 5e9

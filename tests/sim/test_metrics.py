@@ -13,7 +13,14 @@ from functools import cache
 import pytest
 
 from lumend.sim.assist import DraftFunction, binomial
-from lumend.sim.config import EXTENDED_POLICIES, FaultKind, FaultSpec, SimConfig, apply_policy
+from lumend.sim.config import (
+    EXTENDED_POLICIES,
+    PAPER_POLICY,
+    FaultKind,
+    FaultSpec,
+    SimConfig,
+    apply_policy,
+)
 from lumend.sim.metrics import PolicyMetrics
 from lumend.sim.runner import run_policy
 from lumend.sim.workload import Workload, synthetic
@@ -22,6 +29,7 @@ MODEL, GPU = "sim-small", "h100-tp4"
 TINY = ["--synthetic", "--workers", "4", "--model", "sim-small", "--gpu", "h100-tp4",
         "--rate", "30", "--duration", "60", "--fail-at", "20", "--seed", "1"]
 EXTENDED = ",".join(EXTENDED_POLICIES)
+PAPER = PAPER_POLICY
 METRICS = ("mean_ttft_s", "p99_ttft_s", "mean_tpot_s", "p99_tpot_s", "recovery_time_s",
            "replay_ttft_mean_s", "replay_ttft_p99_s", "checkpoint_coverage", "holder_balance",
            "assist_acceptance")
@@ -41,7 +49,9 @@ def measure(policy_name: str, **kw: object) -> PolicyMetrics:
 
 @cache
 def lumen() -> PolicyMetrics:
-    return measure("lumen")
+    # The paper's assist (always on while the drafter is up): what the acceptance tests
+    # measure. The cost-aware `lumen` assists only while the predicted gain is positive.
+    return measure(PAPER)
 
 
 def expected_acceptance(agreement: float, k: int) -> float:
@@ -63,7 +73,7 @@ def test_every_metric_is_in_the_json_of_every_policy() -> None:
                     "json")
     assert done.returncode == 0, done.stderr
     policies = {p["policy"]: p for p in json.loads(done.stdout)["policies"]}
-    assert len(policies) == 9
+    assert len(policies) == 10
     for name, p in policies.items():
         missing = [k for k in METRICS if k not in p]
         assert not missing, f"{name} lacks {missing}"
@@ -74,17 +84,19 @@ def test_every_metric_is_in_the_json_of_every_policy() -> None:
     for name in ("stop_and_restart", "shadow_only"):  # no checkpoints
         assert policies[name]["checkpoint_coverage"] == 0
         assert policies[name]["holder_balance"] is None
-    for name in ("fixed_checkpoint", "lumen", "lumen_dual", "lumen-routing"):
+    for name in ("fixed_checkpoint", "lumen", "lumen_paper", "lumen_dual", "lumen-routing"):
         assert 0 < policies[name]["checkpoint_coverage"] <= 1
         assert policies[name]["holder_balance"] >= 1
     with_assist = {n for n, p in policies.items() if p["assist_acceptance"] is not None}
-    assert with_assist == {"lumen", "lumen_dual", "lumen-assist"}
+    # The paper's assist always runs; cost-aware ones only where their gain is positive.
+    assert "lumen_paper" in with_assist
+    assert with_assist <= {"lumen_paper", "lumen", "lumen_dual", "lumen-assist"}
     # A shadow serves again 0.5 s after the crash: the drafter never loads.
     assert policies["lumen_shadow"]["draft_rounds"] == 0
 
 
 def test_the_table_shows_every_metric() -> None:
-    done = lumenctl("sim", *TINY, "--policy", "stop_and_restart,lumen")
+    done = lumenctl("sim", *TINY, "--policy", "stop_and_restart,lumen_paper")
     assert done.returncode == 0, done.stderr
     for header in ("TTFT P99", "TPOT P99", "RECOVERY", "REPLAY TTFT", "CKPT COVERAGE",
                    "HOLDER BALANCE", "ASSIST ACCEPT"):
@@ -92,7 +104,7 @@ def test_the_table_shows_every_metric() -> None:
     rows = {line.split()[1]: line for line in done.stdout.splitlines()
             if line.startswith("│ ")}
     assert rows["stop_and_restart"].rstrip(" │").endswith("-")  # no assist
-    assert rows["lumen"].rstrip(" │").endswith("%")
+    assert rows["lumen_paper"].rstrip(" │").endswith("%")
 
 
 # -- assist acceptance --------------------------------------------------------------------
@@ -115,25 +127,25 @@ def test_assist_acceptance_is_measured_from_the_draft_rounds() -> None:
 def test_assist_acceptance_follows_the_draft_functions_agreement() -> None:
     # Negative control: a constant echoed into the metric would not move.
     default = lumen().assist_acceptance
-    worse = measure("lumen", spec_acceptance=0.3).assist_acceptance
-    better = measure("lumen", spec_acceptance=0.9).assist_acceptance
+    worse = measure(PAPER, spec_acceptance=0.3).assist_acceptance
+    better = measure(PAPER, spec_acceptance=0.9).assist_acceptance
     assert worse is not None and better is not None and default is not None
     assert worse < default < better
     assert worse == pytest.approx(expected_acceptance(0.3, 4), abs=0.01)
     assert better == pytest.approx(expected_acceptance(0.9, 4), abs=0.01)
-    shorter = measure("lumen", spec_tokens=2)
+    shorter = measure(PAPER, spec_tokens=2)
     assert shorter.assist_acceptance == pytest.approx(expected_acceptance(0.6, 2), abs=0.01)
 
 
 def test_assist_acceptance_is_zero_when_the_draft_never_agrees() -> None:
-    m = measure("lumen", spec_acceptance=0.0)
+    m = measure(PAPER, spec_acceptance=0.0)
     assert m.draft_rounds > 0 and m.assist_acceptance == 0.0
 
 
 def test_same_seed_same_metrics_other_seed_other_draft_samples() -> None:
-    again = measure("lumen")
+    again = measure(PAPER)
     assert again == lumen()
-    other = measure("lumen", seed=1)  # same workload and fault: only the draft rounds' samples
+    other = measure(PAPER, seed=1)  # same workload and fault: only the draft rounds' samples
     assert other.draft_rounds == again.draft_rounds
     assert other.assist_acceptance != again.assist_acceptance
     assert other.assist_acceptance == pytest.approx(again.assist_acceptance, abs=0.01)
