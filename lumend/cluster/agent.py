@@ -147,7 +147,8 @@ class ClusterAgent:
         self._status_at = float("-inf")
         self._status_body = b""
         self._event_seq = 0
-        self._pending_events: list[Put] = []  # written with the next guarded batch
+        # (kind, message) of events to write once this node leads (bounded).
+        self._pending_events: list[tuple[str, str]] = []
         self._reported_problems: set[str] = set()
         # Read by the daemon's watchdog, sd_notify and metrics (lumend/notify.py, metrics.py).
         self.cycles = 0
@@ -225,7 +226,7 @@ class ClusterAgent:
                     if _is_nospace(exc):
                         # Not the lease's fault: keep it (keepalives still work) and say
                         # what clears the alarm.
-                        self._note_alarms((NOSPACE,), None)
+                        self._note_alarms((NOSPACE,))
                         sentence = self._lost_contact(
                             f"etcd is out of space (NOSPACE alarm) and refuses writes; "
                             f"{NOSPACE_FIX}")
@@ -288,6 +289,10 @@ class ClusterAgent:
         self._report_problems(view)
         if view.coordinator is not None:
             self.fence.observe(view.coordinator.epoch)
+        if self.alarms:  # an alarm was seen: look every cycle until it is cleared
+            with contextlib.suppress(StoreError):
+                status = await self._store.status()
+                self._note_alarms(status.alarms)
         return await self._decide_role(view)
 
     async def _decide_role(self, view: ClusterView) -> str:
@@ -352,7 +357,7 @@ class ClusterAgent:
             for node in sorted(set(previous.members) - set(members)):
                 groups.append([self._event("node_left", f"node {node} left (lease expired "
                                            "or stopped)", epoch)])
-        groups += [[e] for e in self._pending_events]
+        groups += [[self._event(kind, message, epoch)] for kind, message in self._pending_events]
         self._pending_events.clear()
         groups = [g for g in groups if g]
         decision = (
@@ -428,7 +433,7 @@ class ClusterAgent:
         etcd's alarms (NOSPACE) and database size."""
         status = await self._store.status()
         self.store_status_db_bytes = status.db_size_bytes
-        self._note_alarms(status.alarms, epoch)
+        self._note_alarms(status.alarms)
         target = min(self._compact_next or 0, status.revision - self._compact_keep)
         self._compact_next = status.revision
         if target <= self.compacted_revision:
@@ -442,7 +447,7 @@ class ClusterAgent:
         log.info("compacted etcd to revision %d (current %d, database %.1f MiB)", target,
                  status.revision, status.db_size_bytes / 2**20)
 
-    def _note_alarms(self, alarms: tuple[str, ...], epoch: int | None) -> None:
+    def _note_alarms(self, alarms: tuple[str, ...]) -> None:
         if alarms == self.alarms:
             return
         raised = sorted(set(alarms) - set(self.alarms))
@@ -454,8 +459,10 @@ class ClusterAgent:
         if cleared:
             message = f"etcd alarm {', '.join(cleared)} cleared"
             log.warning("%s", message)
-            if epoch is not None:
-                self._pending_events.append(self._event("etcd_alarm_cleared", message, epoch))
+            # Recorded by whichever term this node leads next (one may be the only record
+            # of the outage: nothing could be written while it lasted).
+            self._pending_events = [*self._pending_events[-9:], ("etcd_alarm_cleared",
+                                                                 message)]
 
     def _step_down(self, why: str) -> str:
         epoch, self.epoch = self.epoch, None
@@ -627,7 +634,7 @@ def _batches(groups: Sequence[Sequence[Op]], limit: int) -> list[list[Op]]:
 
 
 def _is_nospace(exc: StoreError) -> bool:
-    return "database space exceeded" in str(exc) or "RESOURCE_EXHAUSTED" in str(exc)
+    return "database space exceeded" in str(exc)  # etcd: mvcc: database space exceeded
 
 
 class _Backoff:

@@ -104,8 +104,10 @@ NOSPACE = "NOSPACE"
 # The command that clears a NOSPACE alarm (docs/operator-guide.md, "etcd hygiene").
 NOSPACE_FIX = (
     "compact and defragment etcd, then disarm the alarm: `rev=$(etcdctl endpoint status "
-    "-w json | grep -o '\"revision\":[0-9]*' | cut -d: -f2); etcdctl compact $rev; "
-    "etcdctl defrag --cluster; etcdctl alarm disarm` (docs/operator-guide.md, etcd hygiene)"
+    "-w json | grep -o '\"revision\":[0-9]*' | head -1 | cut -d: -f2) && etcdctl compact "
+    "$rev && etcdctl defrag --cluster && etcdctl alarm disarm` (with ETCDCTL_ENDPOINTS and "
+    "the TLS flags of your cluster; if the live data alone fills the quota, raise "
+    "--quota-backend-bytes first; docs/operator-guide.md, etcd hygiene)"
 )
 
 
