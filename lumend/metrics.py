@@ -346,3 +346,43 @@ class MetricsServer:
     async def _handle(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.exposition(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class EtcdHygieneCollector(Collector):
+    """etcd hygiene and fencing, read from the HA loop on every
+    scrape: the coordinator's compaction and event trimming, etcd's database size and
+    alarms as last read, heartbeat writes, commands refused for an epoch etcd did not
+    confirm. Register it with the node's registry (lumend/daemon.py)."""
+
+    def __init__(self, agent: ClusterAgent) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self._agent
+        yield CounterMetricFamily(
+            "lumen_heartbeat_writes", "Node and worker records written by heartbeats (only "
+            "records that changed meaningfully, or are due for a refresh).",
+            value=agent.heartbeat_writes)
+        yield _gauge("lumen_etcd_compacted_revision", "The revision this node last compacted "
+                     "etcd to as coordinator (0: never).", agent.compacted_revision)
+        yield CounterMetricFamily(
+            "lumen_etcd_compaction_failures", "Compactions (or status reads) of etcd by this "
+            "node as coordinator that failed; tried again later.",
+            value=agent.compact_failures)
+        yield CounterMetricFamily(
+            "lumen_events_trim_failures", "Trims of the events to the newest 1000 by this "
+            "node as coordinator that failed; tried again later.", value=agent.trim_failures)
+        if agent.store_status_db_bytes is not None:
+            yield _gauge("lumen_etcd_db_size_bytes", "etcd's database size as this node last "
+                         "read it (as coordinator, every compaction check).",
+                         agent.store_status_db_bytes)
+        alarm = GaugeMetricFamily("lumen_etcd_alarm", "etcd alarms this node sees raised (1); "
+                                  "NOSPACE: etcd refuses writes until compacted, defragmented "
+                                  "and disarmed.", labels=["alarm"])
+        for name in agent.alarms:
+            alarm.add_metric([name], 1)
+        yield alarm
+        yield CounterMetricFamily(
+            "lumen_agent_unknown_epoch_refused", "Agent commands refused because their epoch "
+            "was higher than any seen and etcd did not confirm it as the coordinator's.",
+            value=agent.fence.unknown_refused)

@@ -1,0 +1,32 @@
+"""The etcd hygiene and fencing metrics read what the HA loop counts."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from lumend.cluster.agent import AgentTiming, ClusterAgent, NodeIdentity
+from lumend.cluster.keys import Keys
+from lumend.cluster.store import NOSPACE, EtcdStore
+from lumend.metrics import EtcdHygieneCollector
+
+
+def test_hygiene_metrics_expose_the_agents_counters() -> None:
+    me = NodeIdentity(name="n1", address="a", gateway="g", rpc="r", checkpoint="c", metrics="m")
+    agent = ClusterAgent(EtcdStore(["http://127.0.0.1:1"]), Keys("m"), me,
+                         AgentTiming.for_ttl(10))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EtcdHygieneCollector(agent))
+    text = generate_latest(registry).decode()
+    assert "lumen_etcd_db_size_bytes" not in text  # never read: absent, not 0
+    assert 'lumen_etcd_alarm{alarm="NOSPACE"}' not in text
+    agent.heartbeat_writes, agent.compacted_revision, agent.trim_failures = 9, 1234, 2
+    agent.store_status_db_bytes = 5 << 20
+    agent.alarms = (NOSPACE,)
+    agent.fence.unknown_refused = 3
+    text = generate_latest(registry).decode()
+    for line in ("lumen_heartbeat_writes_total 9.0", "lumen_etcd_compacted_revision 1234.0",
+                 "lumen_events_trim_failures_total 2.0", "lumen_etcd_db_size_bytes 5.24288e+06",
+                 'lumen_etcd_alarm{alarm="NOSPACE"} 1.0',
+                 "lumen_agent_unknown_epoch_refused_total 3.0",
+                 "lumen_etcd_compaction_failures_total 0.0"):
+        assert line in text, (line, text)
