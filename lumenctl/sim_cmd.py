@@ -59,8 +59,9 @@ def register(app: typer.Typer) -> None:
 def sim(
     ctx: typer.Context,
     trace: Path | None = typer.Option(
-        None, "--trace", help="Replay a CSV trace (arrived_at, num_prefill_tokens, "
-        "num_decode_tokens)."),
+        None, "--trace", help="Replay a CSV trace: the Azure LLM inference trace as published "
+        "(TIMESTAMP, ContextTokens, GeneratedTokens) or Vidur's form of it (arrived_at, "
+        "num_prefill_tokens, num_decode_tokens)."),
     synthetic: bool = typer.Option(
         False, "--synthetic", help="Generate a conversation-like trace (the default)."),
     scenario: str | None = typer.Option(

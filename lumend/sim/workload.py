@@ -1,8 +1,15 @@
 """Workloads: CSV trace replay, time scaling, and a synthetic conversation-trace generator.
 
-A workload is three parallel lists sorted by arrival time. Trace files use the
-Splitwise/Azure format: a header naming `arrived_at`, `num_prefill_tokens` and
-`num_decode_tokens` (other columns are ignored), one request per line.
+A workload is three parallel lists sorted by arrival time. Trace files are CSV with a header
+and one request per line (other columns are ignored), in either of two formats, told apart by
+the header:
+
+* the Azure LLM inference trace as published (Azure/AzurePublicDataset, used by Splitwise):
+  `TIMESTAMP` (a datetime such as `2023-11-16 18:15:46.6805900`; arrivals are measured from
+  the earliest), `ContextTokens` (prompt) and `GeneratedTokens` (output; 0 is read as 1: a
+  request produces at least its first token);
+* Vidur's processed form of it: `arrived_at` (seconds), `num_prefill_tokens`,
+  `num_decode_tokens`.
 """
 
 from __future__ import annotations
@@ -12,9 +19,12 @@ import csv
 import math
 import random
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")  # Vidur
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")  # as published
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class TraceError(ValueError):
@@ -82,24 +92,83 @@ def read_trace(path: Path) -> Workload:
                              + ",".join(COLUMNS)) from None
         except csv.Error as exc:
             raise TraceError(path, 1, None, str(exc)) from None
-        names = [h.strip() for h in header]
-        missing = [c for c in COLUMNS if c not in names]
+        names = [h.strip().lstrip("\ufeff") for h in header]
+        columns = AZURE_COLUMNS if AZURE_COLUMNS[0] in names else COLUMNS
+        missing = [c for c in columns if c not in names]
         if missing:
             raise TraceError(path, 1, None, f"header lacks {', '.join(missing)}; expected "
-                             f"columns {', '.join(COLUMNS)} (got {', '.join(names) or 'none'})")
-        index = [names.index(c) for c in COLUMNS]
+                             f"columns {', '.join(COLUMNS)} (Vidur) or "
+                             f"{', '.join(AZURE_COLUMNS)} (Azure, as published) "
+                             f"(got {', '.join(names) or 'none'})")
+        index = [names.index(c) for c in columns]
+        parse = _parse_azure_row if columns is AZURE_COLUMNS else _parse_row
         try:
             for fields in reader:
                 line = reader.line_num
                 if not fields or all(not f.strip() for f in fields):
                     continue
-                rows.append(_parse_row(path, line, fields, index))
+                rows.append(parse(path, line, fields, index))
         except csv.Error as exc:
             raise TraceError(path, reader.line_num, None, str(exc)) from None
     if not rows:
         raise TraceError(path, 2, None, "no requests after the header")
     rows.sort(key=lambda r: r[0])
-    return Workload([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    if columns is AZURE_COLUMNS:  # microseconds since the epoch (exact in a float)
+        t0 = rows[0][0]
+        arrivals = [(r[0] - t0) / 1e6 for r in rows]
+    else:
+        arrivals = [r[0] for r in rows]
+    return Workload(arrivals, [r[1] for r in rows], [r[2] for r in rows])
+
+
+def _field(path: Path, line: int, fields: list[str], col: int, name: str) -> str:
+    if col >= len(fields):
+        raise TraceError(path, line, col + 1, f"missing: the line has only {len(fields)} "
+                         "field(s)", name)
+    return fields[col].strip()
+
+
+def _tokens(path: Path, line: int, text: str, col: int, name: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise TraceError(path, line, col + 1, f"{text!r} is not an integer", name) from None
+    if value < least:
+        raise TraceError(path, line, col + 1, f"{text!r} must be >= {least} token"
+                         + ("s" if least != 1 else ""), name)
+    return value
+
+
+def _parse_azure_row(
+    path: Path, line: int, fields: list[str], index: list[int]
+) -> tuple[float, int, int]:
+    """A row of the published Azure trace: (microseconds since the epoch, prompt, output
+    tokens)."""
+    (tcol, pcol, ocol), (tname, pname, oname) = index, AZURE_COLUMNS
+    text = _field(path, line, fields, tcol, tname)
+    try:
+        stamp = _datetime(text)
+    except ValueError:
+        raise TraceError(path, line, tcol + 1, f"{text!r} is not a datetime (e.g. "
+                         "2023-11-16 18:15:46.6805900)", tname) from None
+    prompt = _tokens(path, line, _field(path, line, fields, pcol, pname), pcol, pname, 1)
+    output = _tokens(path, line, _field(path, line, fields, ocol, oname), ocol, oname, 0)
+    return stamp, prompt, max(1, output)
+
+
+def _datetime(text: str) -> float:
+    """Microseconds since the epoch of an ISO datetime; naive ones are UTC. Fractions
+    beyond microseconds (the published trace has 7 digits) are cut to 6 for Python 3.11."""
+    date, sep, frac = text.partition(".")
+    if sep:
+        digits = len(frac) - len(frac.lstrip("0123456789"))
+        if digits > 6:
+            frac = frac[:6] + frac[digits:]
+        text = f"{date}.{frac}"
+    parsed = datetime.fromisoformat(text)
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return float((parsed - EPOCH) // timedelta(microseconds=1))
 
 
 def _parse_row(

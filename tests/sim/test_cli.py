@@ -55,6 +55,22 @@ def test_usage_errors_exit_2() -> None:
     assert policy.returncode == 2 and "unknown policy 'magic'" in policy.stderr
 
 
+def test_azure_trace_as_published_runs_and_its_errors_exit_2(tmp_path: Path) -> None:
+    trace = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    rows = [f"2023-11-16 18:{15 + i // 60:02d}:{i % 60:02d}.{i:07d},{100 + i},{1 + i % 7}"
+            for i in range(120)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    done = lumenctl("sim", "--trace", str(trace), "--workers", "2", "--model", "sim-small",
+                    "--gpu", "h100-tp4", "--fail-at", "60", "--policy", "lumen", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["requests"] == 120
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10,5\n"
+                     "2023-11-16 18:15:47,10,five\n")
+    bad = lumenctl("sim", "--trace", str(trace), "--workers", "2")
+    assert bad.returncode == 2
+    assert f"{trace}:3: column 3 (GeneratedTokens): 'five' is not an integer" in bad.stderr
+
+
 def test_extended_policies_and_mechanism_options() -> None:
     done = lumenctl("sim", *TINY, "--policy", "extended", "--eviction", "shortest_prefix",
                     "--budget", "0.3", "--detect", "2", "-o", "json")

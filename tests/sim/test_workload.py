@@ -41,9 +41,48 @@ def test_malformed_values_name_line_and_column(
     assert fragment in str(info.value)
 
 
+AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def test_reads_the_azure_trace_as_published(tmp_path: Path) -> None:
+    # The published files' first lines (AzurePublicDataset, 2023 conversation trace):
+    # 7-digit fractions of a second, unsorted here; arrivals count from the earliest.
+    path = write(tmp_path, AZURE + "2023-11-16 18:15:50.9951690,396,109\n"
+                 "2023-11-16 18:15:46.6805900,374,44\n"
+                 "2023-11-16 18:16:01.0000000,879,0\n")
+    w = read_trace(path)
+    assert w.arrivals == [0.0, pytest.approx(4.314579), pytest.approx(14.31941)]
+    assert w.prompts == [374, 396, 879]
+    assert w.outputs == [44, 109, 1]  # 0 generated tokens: still one first token
+    # Time zones are honoured: the same instants written in +01:00 give the same arrivals.
+    shifted = write(tmp_path, AZURE + "2023-11-16T19:15:46.68059+01:00,374,44\n"
+                    "2023-11-16T18:15:50.995169Z,396,109\n")
+    assert read_trace(shifted).arrivals == [0.0, pytest.approx(4.314579)]
+
+
+@pytest.mark.parametrize(("body", "line", "column", "fragment"), [
+    ("2023-11-16 18:15:46,10,5\nyesterday,10,5\n", 3, 1, "'yesterday' is not a datetime"),
+    ("2023-11-16 18:15:46,ten,5\n", 2, 2, "'ten' is not an integer"),
+    ("2023-11-16 18:15:46,0,5\n", 2, 2, "must be >= 1 token"),
+    ("2023-11-16 18:15:46,10,-3\n", 2, 3, "must be >= 0 tokens"),
+    ("2023-11-16 18:15:46,10\n", 2, 3, "missing"),
+])
+def test_malformed_azure_rows_name_line_and_column(
+    tmp_path: Path, body: str, line: int, column: int, fragment: str
+) -> None:
+    path = write(tmp_path, AZURE + body)
+    with pytest.raises(TraceError) as info:
+        read_trace(path)
+    assert info.value.line == line and info.value.column == column
+    assert str(info.value).startswith(f"{path}:{line}: column {column} (")
+    assert fragment in str(info.value)
+
+
 def test_bad_header_and_empty_file(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match=r":1: header lacks num_decode_tokens"):
         read_trace(write(tmp_path, "arrived_at,num_prefill_tokens\n1,2\n"))
+    with pytest.raises(TraceError, match=r":1: header lacks GeneratedTokens.*Azure"):
+        read_trace(write(tmp_path, "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,2\n"))
     with pytest.raises(TraceError, match="empty file"):
         read_trace(write(tmp_path, ""))
     with pytest.raises(TraceError, match="cannot open"):
