@@ -301,6 +301,13 @@ class ClusterAgent:
         if self.epoch is not None and (not mine or current is None or current.epoch != self.epoch):
             holder = f"{current.record.node} (epoch {current.epoch})" if current else "nobody"
             return self._step_down(f"the coordinator key now belongs to {holder}")
+        if NOSPACE in self.alarms:
+            # No write can land (etcd refuses them until an operator clears the alarm):
+            # neither lead nor campaign, rather than resume and fail every cycle. The
+            # gateways decide locally meanwhile; the alarm is read again each cycle.
+            if self.epoch is not None:
+                self._step_down("etcd is out of space (NOSPACE alarm)")
+            return f"etcd is out of space (NOSPACE alarm) and refuses writes; {NOSPACE_FIX}"
         if mine and current is not None and self.epoch is None and self.lease.confident():
             self.epoch = current.epoch  # ours (a campaign whose answer was lost, or resumed)
         if self.epoch is not None:

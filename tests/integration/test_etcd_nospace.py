@@ -84,6 +84,8 @@ async def scenario(etcd: EtcdCluster) -> None:
         assert doc["etcd"]["fix"] == NOSPACE_FIX
         table = await ctl(etcd, "status")
         assert "etcd alarm NOSPACE" in table.stdout and "etcdctl alarm disarm" in table.stdout
+        # Seconds of cycles under the alarm: it stepped down once, no resume-and-fail flapping.
+        assert agent.step_downs == 1 and not agent.is_coordinator, agent.status
 
         # The documented command, as an operator would paste it.
         command = NOSPACE_FIX.split("`")[1]
