@@ -98,6 +98,10 @@ def sim(
     duration: float | None = typer.Option(
         None, "--duration", help="Seconds of arrivals (default 900; a trace: all of it)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic trace and fault choice."),
+    seeds: int = typer.Option(
+        1, "--seeds", min=1, help="Run seeds SEED..SEED+N-1 and report means with 95% "
+        "intervals and LUMEN's ratios paired by seed (a trace is replayed per seed; the "
+        "seed moves the fault choice and draft sampling)."),
     output: Fmt | None = typer.Option(
         None, "--output", "-o", help="table, json or yaml (default: lumenctl's -o)."),
     plot: Path | None = typer.Option(
@@ -156,13 +160,16 @@ def sim(
 
         load_cost_model(cfg.model, cfg.gpu)
         per_worker = rate if rate is not None else (sc.rate_per_worker if sc else None)
-        workload = _workload(trace, cfg, per_worker,
-                             duration if duration is not None else (sc.duration_s if sc else None))
+        duration = duration if duration is not None else (sc.duration_s if sc else None)
+        workload = _workload(trace, cfg, per_worker, duration)
     except TraceError as exc:
         _fail(EXIT_USAGE, str(exc))
     except (ValueError, PresetError) as exc:
         _fail(EXIT_USAGE, str(exc))
 
+    if seeds > 1:
+        _over_seeds(trace, cfg, names, fmt, scenario, per_worker, duration, sc, seeds)
+        return
     try:
         runs = _run(workload, cfg, names, fmt)
     except SimError as exc:
@@ -187,6 +194,87 @@ def sim(
             plot_timelines(runs, fault.at_s if kind is not FaultKind.none else None, plot, title)
         except OSError as exc:
             _fail(EXIT_FAILED, f"cannot write {plot}: {exc.strerror}")
+
+
+def _over_seeds(trace: Path | None, cfg: SimConfig, names: list[str], fmt: Fmt,
+                scenario: str | None, per_worker: float | None, duration: float | None,
+                sc: Any, seeds: int) -> None:
+    """`--seeds N`: every policy on each seed, then means with intervals and paired ratios."""
+    from dataclasses import replace
+
+    from lumend.sim.engine import SimError
+    from lumend.sim.runner import metrics_document, run_policies
+    from lumend.sim.stats import over_seeds
+    from lumend.sim.workload import TraceError
+
+    per_seed: dict[str, list[dict[str, object]]] = {n: [] for n in names}
+    used = list(range(cfg.seed, cfg.seed + seeds))
+    requests = 0
+    for s in used:
+        seeded = replace(cfg, seed=s)
+        try:
+            workload = _workload(trace, seeded, per_worker, duration)
+            runs = run_policies(workload, seeded, names)
+        except TraceError as exc:
+            _fail(EXIT_USAGE, str(exc))
+        except SimError as exc:
+            _fail(EXIT_FAILED, str(exc))
+        requests += len(workload)
+        for r in runs:
+            per_seed[r.metrics.policy].append(metrics_document(r.metrics))
+    doc: dict[str, Any] = {
+        "scenario": scenario, "workers": cfg.workers, "model": cfg.model, "gpu": cfg.gpu,
+        "fault": cfg.fault.kind.value, "fault_at_s": cfg.fault.at_s,
+        "mean_requests": requests / seeds, **over_seeds(per_seed, used)}
+    if fmt is Fmt.json:
+        from lumenctl.render import as_json
+
+        typer.echo(as_json(doc))
+    elif fmt is Fmt.yaml:
+        from lumenctl.render import as_yaml
+
+        typer.echo(as_yaml(doc))
+    else:
+        _print_seeds_table(doc)
+
+
+def _print_seeds_table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tty = sys.stdout.isatty()
+    console = Console(no_color=not tty, width=None if tty else 220)
+    head = (f"{doc['scenario'] or 'custom'}: {doc['workers']} workers, {doc['model']} on "
+            f"{doc['gpu']}, fault {doc['fault']} at {doc['fault_at_s']:g} s, seeds "
+            f"{doc['seeds'][0]}..{doc['seeds'][-1]} (mean ± 95% interval)")
+    table = Table(title=head, title_justify="left")
+    cols = (("TTFT", "mean_ttft_s", 1.0, "s"), ("TPOT", "mean_tpot_s", 1000.0, "ms"),
+            ("RECOVERY", "recovery_time_s", 1.0, "s"),
+            ("FAILURE-FREE TTFT", "baseline_mean_ttft_s", 1.0, "s"),
+            ("UNINTERRUPTED TTFT", "uninterrupted_mean_ttft_s", 1.0, "s"),
+            ("REPLAY TTFT", "replay_ttft_mean_s", 1.0, "s"))
+    table.add_column("POLICY", no_wrap=True)
+    for title, *_ in cols:
+        table.add_column(title)
+    for p in doc["policies"]:
+        table.add_row(p["policy"], *(_interval(p[key], scale, unit, key == "recovery_time_s")
+                                     for _, key, scale, unit in cols))
+    console.print(table)
+    for c in doc["comparisons"]:
+        parts = [f"{k.removesuffix('_ratio')} {_interval(v, 1.0, 'x')}"
+                 for k, v in c.items() if k.endswith("_ratio")]
+        console.print(f"lumen / {c['versus']} (paired by seed): " + ", ".join(parts))
+
+
+def _interval(v: dict[str, Any] | None, scale: float, unit: str, never: bool = False) -> str:
+    """`never`: a null is a run that never recovered (else: no data)."""
+    if v is None:
+        return "never" if never else "-"
+    text = f"{v['mean'] * scale:.3g} ± {v['ci95'] * scale:.2g} {unit}".replace(" x", "x")
+    missing = v.get("missing", 0)
+    if missing:
+        text += f" ({missing} never)" if never else f" ({missing} n/a)"
+    return text
 
 
 def _workload(trace: Path | None, cfg: SimConfig, per_worker: float | None,

@@ -40,3 +40,47 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
         raise ValueError(f"unpaired: {len(a)} and {len(b)} values")
     ratios = [x / y for x, y in zip(a, b, strict=True) if y]
     return interval(ratios)
+
+
+SUMMARY_KEYS = ("mean_ttft_s", "mean_tpot_s", "recovery_time_s", "baseline_mean_ttft_s",
+                "uninterrupted_mean_ttft_s", "replay_ttft_mean_s")
+COMPARED_KEYS = ("mean_ttft_s", "mean_tpot_s", "recovery_time_s", "baseline_mean_ttft_s")
+
+
+def over_seeds(per_seed: dict[str, list[dict[str, object]]], seeds: list[int]
+               ) -> dict[str, object]:
+    """Policies' metric documents (one list per policy, one entry per seed, same order) as
+    means with 95% intervals, and LUMEN's paired ratios against every other policy.
+
+    A metric that is null in some seed (e.g. never recovered) is summarised over the seeds
+    where it is a number; `missing` counts the others."""
+    policies = []
+    for name, docs in per_seed.items():
+        row: dict[str, object] = {"policy": name}
+        for key in SUMMARY_KEYS:
+            values = [v for d in docs if isinstance(v := d.get(key), (int, float))]
+            if values:
+                m, half = interval([float(v) for v in values])
+                row[key] = {"mean": m, "ci95": half, "missing": len(docs) - len(values)}
+            else:
+                row[key] = None
+        policies.append(row)
+    comparisons = []
+    if "lumen" in per_seed:
+        for other, docs in per_seed.items():
+            if other == "lumen":
+                continue
+            entry: dict[str, object] = {"policy": "lumen", "versus": other}
+            for key in COMPARED_KEYS:
+                pairs = [(float(x), float(y)) for a, b in zip(per_seed["lumen"], docs,
+                                                              strict=True)
+                         if isinstance(x := a.get(key), (int, float))
+                         and isinstance(y := b.get(key), (int, float)) and y]
+                if pairs:
+                    m, half = paired_ratio([x for x, _ in pairs], [y for _, y in pairs])
+                    entry[key.removesuffix("_s") + "_ratio"] = {"mean": m, "ci95": half,
+                                                                "pairs": len(pairs)}
+                else:
+                    entry[key.removesuffix("_s") + "_ratio"] = None
+            comparisons.append(entry)
+    return {"seeds": seeds, "policies": policies, "comparisons": comparisons}

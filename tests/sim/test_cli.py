@@ -86,3 +86,22 @@ def test_extended_policies_and_mechanism_options() -> None:
     assert by_name["lumen"]["evictions"] > 0
     bad = lumenctl("sim", *TINY, "--eviction", "fifo")
     assert bad.returncode == 2 and "unknown eviction policy 'fifo'" in bad.stderr
+
+
+def test_seeds_report_intervals_and_paired_ratios() -> None:
+    done = lumenctl("sim", *TINY, "--seeds", "2", "--policy",
+                    "stop_and_restart,lumen_paper,lumen", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["seeds"] == [1, 2]
+    lumen = next(p for p in doc["policies"] if p["policy"] == "lumen")
+    assert lumen["mean_ttft_s"]["mean"] > 0 and lumen["mean_ttft_s"]["ci95"] >= 0
+    ratios = {c["versus"]: c for c in doc["comparisons"]}
+    # Failure-free, LUMEN admits and serves exactly like stop-and-restart (ratio 1 in every
+    # seed); the paper's admission by L_hat does not (control).
+    assert ratios["stop_and_restart"]["baseline_mean_ttft_ratio"] == {
+        "mean": 1.0, "ci95": 0.0, "pairs": 2}
+    assert ratios["lumen_paper"]["baseline_mean_ttft_ratio"]["mean"] != 1.0
+    table = lumenctl("sim", *TINY, "--seeds", "2", "--policy", "stop_and_restart,lumen")
+    assert table.returncode == 0, table.stderr
+    assert "paired by seed" in table.stdout and "UNINTERRUPTED TTFT" in table.stdout
