@@ -15,10 +15,10 @@ import pyetcd.exceptions
 import pyetcd.transactions
 import pytest
 
-from lumenctl.localcluster import EtcdCluster
+from lumenctl.localcluster import EtcdCluster, free_ports
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import Intent, encode_value
-from lumend.cluster.store import EtcdStore
+from lumend.cluster.store import CreateRevisionIs, Delete, EtcdStore
 from lumend.failover.intents import FailoverIntents, IntentGone
 
 from ..failover.test_supervisor import make_supervisor, running, slot_in, wait_for
@@ -156,6 +156,27 @@ def test_a_claim_lost_before_it_landed_is_sent_again_and_one_claimed_elsewhere_i
                 assert sorted(await kinds(plain)) == ["failover_claimed", "failover_done"]
             await unsent.close()
         finally:
+            await plain.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_claim_refused_by_a_dead_endpoint_moves_on_and_is_not_ambiguous(
+        etcd: EtcdCluster) -> None:
+    """A connection refused before anything was sent is surely not applied: the
+    non-idempotent claim goes to the next endpoint instead of being reported ambiguous."""
+    async def scenario() -> None:
+        plain = EtcdStore(etcd.endpoints)
+        rotating = EtcdStore([f"http://127.0.0.1:{free_ports(1)[0]}", *etcd.endpoints])
+        try:
+            await write_intent(plain)
+            kv = await plain.get(INTENT)
+            assert kv is not None
+            result = await rotating.txn([CreateRevisionIs(INTENT, kv.create_revision)],
+                                        [Delete(INTENT)], idempotent=False)
+            assert result.succeeded and await plain.get(INTENT) is None
+        finally:
+            await rotating.close()
             await plain.close()
 
     asyncio.run(scenario())

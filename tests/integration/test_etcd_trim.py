@@ -10,7 +10,7 @@ from lumenctl.localcluster import EtcdCluster
 from lumend.cluster.agent import EVENTS_KEPT, AgentTiming, ClusterAgent, NodeIdentity
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import CoordinatorStatus, Event, NodeRecord, encode_value
-from lumend.cluster.store import MAX_TXN_OPS, EtcdStore, Put
+from lumend.cluster.store import MAX_TXN_OPS, EtcdStore, Put, StoreError
 
 KEYS = Keys("trim")
 OLD_EVENTS = 2100
@@ -80,6 +80,38 @@ def test_2000_events_and_200_joins_in_one_cycle_elect_one_coordinator_that_stays
             newest_old = max(kept_old, key=lambda kv: kv.key).value
             assert f'"message":"e{OLD_EVENTS - 1}"'.encode() in newest_old
             assert b'"message":"e0"' not in b"".join(kv.value for kv in kept_old)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+class TrimRefused(EtcdStore):
+    """Real etcd, but every listing of the events fails as a refused request would."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.refused = 0
+
+    async def keys(self, prefix: str, *, limit: int = 0,
+                   newest_first: bool = False) -> list[str]:
+        self.refused += 1
+        raise StoreError(f"etcd list keys {prefix}: INVALID_ARGUMENT: refused (test)")
+
+
+def test_a_coordinator_that_cannot_trim_keeps_coordinating(etcd: EtcdCluster) -> None:
+    async def scenario() -> None:
+        store = TrimRefused(etcd.endpoints)
+        try:
+            await put_all(store, [Put(KEYS.event(1_000_000 + i, "old", i), b"{}")
+                                  for i in range(EVENTS_KEPT + 5)])
+            agent = ClusterAgent(store, KEYS, identity("n1"), AgentTiming.for_ttl(5),
+                                 trim_every_s=0.0)
+            for _ in range(5):
+                await agent.cycle()
+            assert agent.is_coordinator, agent.status
+            assert agent.elections_won == 1 and agent.step_downs == 0
+            assert agent.trim_failures == store.refused >= 4
         finally:
             await store.close()
 
