@@ -436,7 +436,7 @@ class EtcdStore:
                 )
                 for kv in response.kvs
             ]
-            return Snapshot(kvs, response.header.revision, self._status(c))
+            return Snapshot(kvs, response.header.revision, self._status_if_allowed(c))
 
         return await self._call(f"get prefix {prefix}", op)
 
@@ -519,6 +519,17 @@ class EtcdStore:
 
     async def status(self) -> StoreStatus:
         return await self._call("status", self._status)
+
+    def _status_if_allowed(self, c: Any) -> StoreStatus | None:
+        """The health part of a whole-prefix read, best effort: etcd refusing it (a client
+        without the permission, an old member) must not fail the read of the keys."""
+        try:
+            return self._status(c)
+        except grpc.RpcError as exc:
+            if exc.code() in _TRANSIENT_CODES:
+                raise  # the member is gone: the whole read moves to the next one
+            log.debug("etcd status/alarms not readable: %s", _describe(exc))
+            return None
 
     def _status(self, c: Any) -> StoreStatus:
         from pyetcd import etcdrpc
