@@ -1,6 +1,12 @@
 """ansible/: syntax check, ansible-lint's production profile, and a real run of deploy.yml
 against three hosts on this machine (local connection, one prefix and port set each).
 
+LUMEN reaches the hosts as an operator's run would bring it: the wheel built from this
+checkout, copied to each host and installed from the file into a virtualenv of the test's
+own, with pip told to use no index at all (so no name is looked up anywhere). The test's
+virtualenv sees this checkout's dependencies through a .pth line, so nothing is downloaded.
+The gRPC control plane runs with the mTLS certificates the role makes.
+
 Where systemd is not PID 1 (here) the roles start etcd and lumend as plain processes with
 start-stop-daemon and pid files; the fixture stops them by those pids.
 """
@@ -37,6 +43,8 @@ REPO = Path(__file__).parents[2]
 ANSIBLE = REPO / "ansible"
 BIN = Path(sys.executable).parent
 HOSTS = ("lumen-a", "lumen-b", "lumen-c")
+SITE_PACKAGES = next(Path(p) for p in sys.path if p.endswith("site-packages")
+                     and p.startswith(sys.prefix))
 
 pytestmark = pytest.mark.skipif(
     not (BIN / "ansible-playbook").exists() or shutil.which("start-stop-daemon") is None,
@@ -110,7 +118,39 @@ def test_unit_template_renders_to_the_shipped_unit() -> None:
 # -- the real run ----------------------------------------------------------------------------
 
 
-def host_vars(name: str, prefix: Path, ports: list[int], user: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from the checkout as it is (tracked and new files), in a copy."""
+    root = tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        source = REPO / name
+        if source.is_file():
+            (root / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / "src" / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                            "--no-build-isolation", "--no-index", "-w", str(root / "dist"),
+                            str(root / "src")], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    [found] = (root / "dist").glob("lumen_serving-*.whl")
+    return found
+
+
+@pytest.fixture(scope="module")
+def node_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty virtualenv for the hosts; this checkout's dependencies visible to it through
+    a .pth line (not LUMEN itself: .pth files of that directory are not processed, so the
+    checkout's editable install stays out of it)."""
+    venv = tmp_path_factory.mktemp("node-venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    [site] = venv.glob("lib/python3*/site-packages")
+    (site / "lumen-test-deps.pth").write_text(f"{SITE_PACKAGES}\n")
+    return venv
+
+
+def host_vars(name: str, prefix: Path, ports: list[int], user: str, wheel: Path,
+              venv: Path) -> dict[str, Any]:
     client, peer, gateway, rpc, checkpoint, metrics, engine = ports
     return {
         "ansible_connection": "local",
@@ -130,8 +170,12 @@ def host_vars(name: str, prefix: Path, ports: list[int], user: str) -> dict[str,
         "lumend_create_user": False,
         "lumend_user": user,
         "lumend_group": user,
-        "lumend_venv": sys.prefix,  # this checkout's venv: lumen is installed, pip does nothing
-        "lumend_extras": ["systemd"],
+        "lumend_venv": str(venv),
+        "lumend_wheel": str(wheel),
+        "lumend_wheel_dir": str(prefix / "opt/lumen/wheels"),
+        "lumend_pip_extra_args": "--no-index",  # no name is looked up in any index
+        "lumend_install_system_packages": False,  # not root here; CI's image has them
+        "lumend_extras": [],  # systemd-python comes with the .pth of node_venv
         "lumend_config_dir": str(prefix / "etc/lumen"),
         "lumend_node_name": name,
         "lumend_address": "127.0.0.1",
@@ -182,7 +226,8 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def test_hosts(tmp_path: Path) -> Iterator[dict[str, dict[str, Any]]]:
+def test_hosts(tmp_path: Path, wheel: Path, node_venv: Path
+               ) -> Iterator[dict[str, dict[str, Any]]]:
     user = pwd.getpwuid(os.getuid()).pw_name
     ports = free_ports(7 * len(HOSTS))
     hosts = {}
@@ -190,7 +235,8 @@ def test_hosts(tmp_path: Path) -> Iterator[dict[str, dict[str, Any]]]:
         prefix = tmp_path / name
         for sub in ("etc/default", "run", "log"):
             (prefix / sub).mkdir(parents=True)
-        hosts[name] = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user)
+        hosts[name] = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user, wheel,
+                                node_venv)
     try:
         yield hosts
     finally:
@@ -210,6 +256,7 @@ def recap(output: str) -> dict[str, dict[str, int]]:
     return found
 
 
+@pytest.mark.timeout(900)  # three runs of the play, each installing and checking 3 hosts
 def test_deploy_forms_a_cluster_and_is_idempotent(
     tmp_path: Path, test_hosts: dict[str, dict[str, Any]]
 ) -> None:
@@ -233,6 +280,14 @@ def test_deploy_forms_a_cluster_and_is_idempotent(
         with urllib.request.urlopen(request, timeout=10) as response:
             members = json.loads(response.read())["members"]
         assert sorted(m["name"] for m in members) == list(HOSTS)
+        # The role's compaction and quota settings reached the running member.
+        with urllib.request.urlopen(f"{endpoint}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert "\netcd_server_quota_backend_bytes 4.294967296e+09" in metrics
+    for variables in test_hosts.values():
+        settings = Path(variables["etcd_default_file"]).read_text()
+        assert 'ETCD_AUTO_COMPACTION_MODE="periodic"' in settings
+        assert 'ETCD_AUTO_COMPACTION_RETENTION="1h"' in settings
 
     # The rendered lumend configs pass check-config, and the three nodes registered.
     for variables in test_hosts.values():
@@ -252,6 +307,22 @@ def test_deploy_forms_a_cluster_and_is_idempotent(
         config = Path(variables["lumend_config_dir"]) / "lumend.toml"
         assert f"keys = {json.dumps(str(keys))}" in config.read_text()
         assert "CURVE (cluster keys)" in Path(variables["lumend_log_file"]).read_text()
+    # LUMEN runs from the wheel installed into the hosts' virtualenv, not from the checkout.
+    venv = Path(test_hosts["lumen-a"]["lumend_venv"])
+    where = subprocess.run([str(venv / "bin/python"), "-c",
+                            "import lumend; print(lumend.__file__)"],
+                           capture_output=True, text=True, timeout=30, cwd="/")
+    assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
+    # gRPC with mTLS by default: certificates made once on the controller, private to the
+    # lumend user on each node, named in [rpc], and the servers run with them.
+    pki = tmp_path / "lumen-rpc-pki"
+    assert (pki / "ca.pem").exists() and (pki / "rpc-admin.pem").exists()
+    for variables in test_hosts.values():
+        config_dir = Path(variables["lumend_config_dir"])
+        for name in ("rpc-ca.pem", "rpc-node.pem", "rpc-node-key.pem"):
+            assert stat.S_IMODE((config_dir / name).stat().st_mode) == 0o600, name
+        assert f'cert = "{config_dir / "rpc-node.pem"}"' in (config_dir / "lumend.toml").read_text()
+        assert ", mTLS" in Path(variables["lumend_log_file"]).read_text()
     view = read_view(endpoints, "ansible-test")
     assert sorted(view.nodes) == list(HOSTS)
     assert sorted(view.workers) == [f"{h}-w0" for h in HOSTS]
@@ -270,6 +341,43 @@ def test_deploy_forms_a_cluster_and_is_idempotent(
     assert {name: int(Path(v["lumend_pid_file"]).read_text())
             for name, v in test_hosts.items()} == pids
 
+    # Negative control of the rolling wait: a node that does not reach the wanted state
+    # fails the play, naming what it saw, and the roll stops at the first node.
+    third = run([*playbook, "-e", '{"lumend_ready_worker_states": ["no-such-state"], '
+                 '"lumend_ready_retries": 2, "lumend_ready_delay": 1}'])
+    output = third.stdout + third.stderr
+    assert third.returncode != 0, output[-6000:]
+    assert "lumen-a does not serve after 2 s" in output, output[-6000:]
+    assert "lumen-a-w0 serving" in output
+    assert "TASK [lumend : Stop the roll (this node does not serve)]" in output
+    # serial 1: the play's tasks ran for one batch only (lumen-b and lumen-c untouched).
+    assert output.count("TASK [lumend : Check how LUMEN is to be installed]") == 1
+
+
+def test_role_refuses_to_install_without_a_wheel_or_index(tmp_path: Path) -> None:
+    """No wheel built (or two), or an index without a URL: the play fails saying what to do,
+    before anything is installed."""
+    playbook = tmp_path / "install.yml"
+    playbook.write_text(yaml.safe_dump([{
+        "hosts": "localhost", "gather_facts": False, "tasks": [{
+            "name": "Install LUMEN", "ansible.builtin.include_role": {
+                "name": str(ANSIBLE / "roles" / "lumend"), "tasks_from": "install.yml"}}]}]))
+    base = [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(playbook),
+            "-e", json.dumps({"lumend_install_system_packages": False,
+                              "lumend_venv": str(tmp_path / "venv")})]
+    cases = {
+        "build it from the checkout with `make wheel`": {"lumend_wheel": []},
+        "more than one LUMEN wheel": {"lumend_wheel": ["/a/lumen_serving-1.whl",
+                                                       "/b/lumen_serving-2.whl"]},
+        "lumend_index_url is empty": {"lumend_install_from": "index"},
+    }
+    for message, variables in cases.items():
+        result = run([*base, "-e", json.dumps(variables)])
+        output = result.stdout + result.stderr
+        assert result.returncode != 0, output[-3000:]
+        assert message in " ".join(output.split()), output[-3000:]
+        assert not (tmp_path / "venv").exists()
+
 
 # -- etcd over TLS, and a member added to a running cluster ---------------------------------
 
@@ -277,7 +385,8 @@ TLS_HOSTS = ("lumen-a", "lumen-b", "lumen-c", "lumen-d")
 
 
 @pytest.fixture
-def tls_hosts(tmp_path: Path) -> Iterator[dict[str, dict[str, Any]]]:
+def tls_hosts(tmp_path: Path, wheel: Path, node_venv: Path
+              ) -> Iterator[dict[str, dict[str, Any]]]:
     user = pwd.getpwuid(os.getuid()).pw_name
     ports = free_ports(7 * len(TLS_HOSTS))
     hosts = {}
@@ -285,7 +394,7 @@ def tls_hosts(tmp_path: Path) -> Iterator[dict[str, dict[str, Any]]]:
         prefix = tmp_path / name
         for sub in ("etc/default", "run", "log"):
             (prefix / sub).mkdir(parents=True)
-        variables = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user)
+        variables = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user, wheel, node_venv)
         variables["etcd_tls"] = True
         variables["etcd_tls_dir"] = str(prefix / "etc/etcd/pki")
         hosts[name] = variables
@@ -313,6 +422,7 @@ def lumenctl_status(config: Path) -> dict[str, Any]:
     return status
 
 
+@pytest.mark.timeout(900)
 def test_deploy_with_tls_and_a_member_added(
     tmp_path: Path, tls_hosts: dict[str, dict[str, Any]]
 ) -> None:
