@@ -348,7 +348,8 @@ def table(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) ->
                 for label in labels:
                     r = index[label].get((level, callers))
                     value = r.get(key) if r else None
-                    cells.append(fmt.format(value) if value else "-")
+                    cells.append("-" if value is None or (key == "fill_balance" and not value)
+                                 else fmt.format(value))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
