@@ -120,10 +120,13 @@ class CoordinatorService:
 
     def term_lease(self) -> int | None:
         """The lease carrying this term's coordinator key, as the latest view shows it; None
-        when the view does not show this term (yet: the first cycle of a term)."""
+        when the view names no coordinator (yet: the first cycle of a term), 0 (no lease)
+        when it names another term."""
         view = self._view()
         c = None if view is None else view.coordinator
-        return c.lease if c is not None and c.epoch == self.epoch else None
+        if c is None:
+            return None
+        return c.lease if c.epoch == self.epoch else 0
 
     def _read(self) -> ClusterView:
         view = self._view()

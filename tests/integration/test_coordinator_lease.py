@@ -30,7 +30,7 @@ from lumend.coordinator.service import CoordinatorService
 from lumend.rpc import lumen_pb2_grpc as stubs
 from lumend.rpc.client import CoordinatorClient, RpcFailure
 from lumend.rpc.messages import Admission, RecoverAsk, Recovery
-from lumend.rpc.server import CoordinatorServicer
+from lumend.rpc.server import CoordinatorServicer, lease_confidence
 
 from ..rpc.test_coordinator_service import view as decoded_view
 from ..unit.test_gateway_checkpoints import worker
@@ -146,6 +146,8 @@ def test_calls_are_refused_once_the_lease_is_not_renewed(etcd: EtcdCluster) -> N
                 assert service.decisions["refused_lease"] >= 1
                 with pytest.raises(RpcFailure):
                     await client.recover(RecoverAsk("r0", "a0", 64, "", None, "gw"))
+                # A view naming another term is refused whatever the lease.
+                assert lease_confidence(CoordinatorService("a", 4, lambda: current)) is not None
             finally:
                 member.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
         finally:
