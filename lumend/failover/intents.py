@@ -101,6 +101,8 @@ class FailoverIntents:
         # Intents carried out, by path: "coordinator" (an Agent Failover) or "alone".
         self.carried_out: dict[str, int] = {"coordinator": 0, "alone": 0}
         self._claim_seq = 0
+        # Claims whose answer was lost and not yet read back: (event key, its value).
+        self._unsettled: dict[tuple[str, float], tuple[str, bytes]] = {}
 
     async def run(self, stop: asyncio.Event, every_s: float = 0.2) -> None:
         while not stop.is_set():
@@ -171,6 +173,17 @@ class FailoverIntents:
                                 path: str) -> tuple[str, float]:
         if worker not in self._supervisors:
             raise IntentGone(f"no worker {worker!r} on node {self._node}")
+        unsettled = self._unsettled.get((worker, requested_at))
+        if unsettled is not None:
+            # An earlier claim of this intent lost its answer and could not be read back:
+            # if it landed, the intent is ours (and gone from etcd), so look for it first.
+            event_key, event = unsettled
+            written = await self._store.get(event_key)
+            del self._unsettled[(worker, requested_at)]
+            if written is not None and written.value == event:
+                log.info("failover of %s: an earlier claim was applied (read back)", worker)
+                self.carried_out[path] += 1
+                return await self.failover(worker, by)
         key = self._keys.intent("failover", worker)
         kv = await self._store.get(key)
         pending: Intent | None = None
@@ -207,8 +220,11 @@ class FailoverIntents:
                 return result.succeeded
             except CommitUnknown as exc:
                 log.warning("failover of %s: %s", worker, exc)
-            # Read back (plain reads, retried as usual): was the claim applied?
+            # Read back (plain reads, retried as usual): was the claim applied? Remembered
+            # until known, so that a read back that fails too is settled by the next order.
+            self._unsettled[(worker, requested_at)] = (event_key, event)
             written = await self._store.get(event_key)
+            del self._unsettled[(worker, requested_at)]
             if written is not None and written.value == event:
                 log.info("failover of %s: the claim was applied (read back)", worker)
                 return True

@@ -18,7 +18,13 @@ import pytest
 from lumenctl.localcluster import EtcdCluster, free_ports
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import Intent, encode_value
-from lumend.cluster.store import CreateRevisionIs, Delete, EtcdStore
+from lumend.cluster.store import (
+    CreateRevisionIs,
+    Delete,
+    EtcdStore,
+    StoreError,
+    StoreUnavailable,
+)
 from lumend.failover.intents import FailoverIntents, IntentGone
 
 from ..failover.test_supervisor import make_supervisor, running, slot_in, wait_for
@@ -177,6 +183,49 @@ def test_a_claim_refused_by_a_dead_endpoint_moves_on_and_is_not_ambiguous(
             assert result.succeeded and await plain.get(INTENT) is None
         finally:
             await rotating.close()
+            await plain.close()
+
+    asyncio.run(scenario())
+
+
+class ReadBackFails(FlakyStore):
+    """The claim lands and its answer is lost, and then etcd cannot be read for a while
+    either: the first read-back of the claim's event fails as an unreachable etcd does."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints, commit=True)
+        self.read_back_failures = 0
+
+    async def get(self, key: str) -> Any:
+        if key.startswith(KEYS.events) and not self.read_back_failures:
+            self.read_back_failures += 1
+            raise StoreUnavailable(self.endpoints, 3, 6.0, "etcd connection timeout (test)")
+        return await super().get(key)
+
+
+def test_a_claim_whose_read_back_failed_too_is_settled_by_the_next_order(
+        etcd: EtcdCluster, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        plain = EtcdStore(etcd.endpoints)
+        flaky = ReadBackFails(etcd.endpoints)
+        sup = make_supervisor(tmp_path)
+        intents = FailoverIntents("node-1", flaky, KEYS, {"w0": sup}, lambda: None,
+                                  alone_after_s=3.0)
+        try:
+            async with running(sup):
+                await wait_for(lambda: slot_in(sup, "active") is not None
+                               and slot_in(sup, "standby") is not None, 30, "active + standby")
+                asked = await write_intent(plain)
+                with pytest.raises(StoreError):  # etcd could not say: the order fails
+                    await intents.carry_out("w0", asked, "ordered by coordinator 7")
+                assert await plain.get(INTENT) is None  # ... but the claim had landed
+                assert await kinds(plain) == ["failover_claimed"]
+                # The coordinator orders again: the node finds its own claim, switches once.
+                await intents.carry_out("w0", asked, "ordered by coordinator 7")
+                assert sorted(await kinds(plain)) == ["failover_claimed", "failover_done"]
+                assert flaky.sent == [True] and flaky.read_back_failures == 1
+        finally:
+            await flaky.close()
             await plain.close()
 
     asyncio.run(scenario())
