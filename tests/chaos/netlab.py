@@ -1,0 +1,254 @@
+"""A network of namespaces for chaos scenarios: every etcd member and lumend node in a
+network namespace of its own, all joined by a bridge in a hub namespace, and this (the
+test's) namespace on the bridge too, to drive clients and read etcd.
+
+Faults are made where a real network makes them, at the hosts' routing policy: a
+`blackhole` rule drops on arrival every packet from an address, so a black hole between two
+hosts (a rule on each) answers nothing, refuses nothing: connections hang until their
+timeouts, as across a failed switch, not a closed port. A host's link set down cuts it off
+from everything. This kernel has no `tc netem`; loss and delay are not modelled.
+
+Everything is made by the lab and removed by `close()` (namespaces, links and the root
+side's address); processes started in it are stopped by their own pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lumenctl.localcluster import etcd_binary, node_config_toml, stop_process
+
+try:  # etcd's hygiene flags, as the local cluster sets them (when it does)
+    from lumenctl.localcluster import ETCD_AUTO_COMPACTION_RETENTION, ETCD_QUOTA_BACKEND_BYTES
+except ImportError:  # pragma: no cover - older local cluster
+    ETCD_AUTO_COMPACTION_RETENTION, ETCD_QUOTA_BACKEND_BYTES = None, None
+
+
+class LabUnavailable(Exception):
+    """Network namespaces cannot be made here (not root, or no `ip`)."""
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    cmd = ["ip", *(["-n", ns] if ns else []), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+
+def available() -> str | None:
+    """Why the lab cannot run here, or None when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed (apt-get install -y iproute2)"
+    return None
+
+
+@dataclass
+class Host:
+    """One namespace on the lab's bridge."""
+
+    lab: NetLab
+    name: str
+    ns: str
+    ip: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def popen(self, cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+        """Start `cmd` in this namespace (`ip netns exec` execs it: the pid is the
+        process's own)."""
+        with log.open("ab") as out:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *cmd], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def drop_from(self, *ips: str) -> None:
+        """Drop, on arrival, everything `ips` send this host (a policy rule on input): the
+        senders hear nothing, as from a black hole; nothing is refused."""
+        for ip in ips:
+            _ip("rule", "add", "from", f"{ip}/32", "blackhole", "priority", "100", ns=self.ns)
+
+    def undrop_from(self, *ips: str) -> None:
+        for ip in ips:
+            _ip("rule", "del", "from", f"{ip}/32", "blackhole", "priority", "100", ns=self.ns)
+
+    def cut(self) -> None:
+        """Take this host off the network (its link down)."""
+        _ip("link", "set", "eth0", "down", ns=self.ns)
+
+    def mend(self) -> None:
+        _ip("link", "set", "eth0", "up", ns=self.ns)
+
+
+class NetLab:
+    """Namespaces on one bridge, named after this process so parallel runs do not meet."""
+
+    def __init__(self, workdir: Path) -> None:
+        why = available()
+        if why is not None:
+            raise LabUnavailable(why)
+        self.workdir = workdir
+        tag = os.getpid() % 100000
+        self.prefix = f"lc{tag}"
+        self.net = f"10.{200 + tag % 50}.{tag % 250}"
+        self.hub = f"{self.prefix}h"
+        self.hosts: list[Host] = []
+        self.root_ip = f"{self.net}.254"
+        self._root_link = f"{self.prefix}r"
+        try:
+            subprocess.run(["ip", "netns", "add", self.hub], check=True, capture_output=True)
+            _ip("link", "add", "br0", "type", "bridge", ns=self.hub)
+            _ip("link", "set", "br0", "up", ns=self.hub)
+            _ip("link", "set", "lo", "up", ns=self.hub)
+            _ip("link", "add", self._root_link, "type", "veth", "peer", "name", "hubroot")
+            _ip("link", "set", "hubroot", "netns", self.hub)
+            _ip("link", "set", "hubroot", "master", "br0", ns=self.hub)
+            _ip("link", "set", "hubroot", "up", ns=self.hub)
+            _ip("addr", "add", f"{self.root_ip}/24", "dev", self._root_link)
+            _ip("link", "set", self._root_link, "up")
+        except (RuntimeError, subprocess.CalledProcessError):
+            self.close()
+            raise
+
+    def host(self, name: str) -> Host:
+        k = len(self.hosts) + 1
+        ns = f"{self.prefix}n{k}"
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+        outside, inside = f"{self.prefix}a{k}", f"{self.prefix}b{k}"
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        _ip("link", "set", outside, "netns", self.hub)
+        _ip("link", "set", outside, "master", "br0", ns=self.hub)
+        _ip("link", "set", outside, "up", ns=self.hub)
+        _ip("link", "set", inside, "netns", ns)
+        _ip("link", "set", inside, "name", "eth0", ns=ns)
+        _ip("addr", "add", f"{self.net}.{k}/24", "dev", "eth0", ns=ns)
+        _ip("link", "set", "eth0", "up", ns=ns)
+        _ip("link", "set", "lo", "up", ns=ns)
+        # The local table's rule comes first (priority 0) and would accept every packet for
+        # this host before a black-hole rule is read: it moves behind them.
+        _ip("rule", "add", "from", "all", "lookup", "local", "priority", "1000", ns=ns)
+        _ip("rule", "del", "priority", "0", ns=ns)
+        host = Host(self, name, ns, f"{self.net}.{k}")
+        self.hosts.append(host)
+        return host
+
+    def black_hole(self, a: Host, b: Host) -> None:
+        """Packets between `a` and `b` vanish in both directions (each drops what the other
+        sends on arrival): connections between them hang, new ones time out."""
+        a.drop_from(b.ip)
+        b.drop_from(a.ip)
+
+    def heal(self, a: Host, b: Host) -> None:
+        a.undrop_from(b.ip)
+        b.undrop_from(a.ip)
+
+    def close(self) -> None:
+        for host in self.hosts:
+            for proc in host.procs:
+                stop_process(proc, 5.0)
+        for host in self.hosts:
+            subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self._root_link], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.hub], capture_output=True)
+        self.hosts.clear()
+
+
+@dataclass
+class EtcdMember:
+    host: Host
+    name: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host.ip}:2379"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host.ip}:2380"
+
+
+def start_etcd(lab: NetLab, size: int) -> list[EtcdMember]:
+    """`size` etcd members, each on a host of its own; returns once the cluster answers."""
+    members = [EtcdMember(lab.host(f"etcd{i}"), f"etcd{i}") for i in range(size)]
+    initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    hygiene: list[str] = []
+    if ETCD_AUTO_COMPACTION_RETENTION is not None:
+        hygiene += ["--auto-compaction-mode", "periodic",
+                    "--auto-compaction-retention", str(ETCD_AUTO_COMPACTION_RETENTION)]
+    if ETCD_QUOTA_BACKEND_BYTES is not None:
+        hygiene += ["--quota-backend-bytes", str(ETCD_QUOTA_BACKEND_BYTES)]
+    for m in members:
+        m.proc = m.host.popen([
+            etcd_binary(), "--name", m.name, "--data-dir", str(lab.workdir / f"{m.name}.data"),
+            "--listen-client-urls", m.client_url, "--advertise-client-urls", m.client_url,
+            "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
+            "--initial-cluster", initial, "--initial-cluster-state", "new",
+            "--initial-cluster-token", lab.prefix, *hygiene,
+        ], lab.workdir / f"{m.name}.log")
+    deadline = time.monotonic() + 30
+    while True:
+        done = subprocess.run(["etcdctl", "--endpoints", ",".join(m.client_url for m in members),
+                               "endpoint", "health"], capture_output=True, text=True,
+                              env={**os.environ, "ETCDCTL_API": "3"})
+        if done.returncode == 0:
+            return members
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"etcd in the lab not healthy: {done.stderr.strip()}")
+        time.sleep(0.2)
+
+
+@dataclass
+class Node:
+    """A lumend process on a host of its own."""
+
+    host: Host
+    name: str
+    config_path: Path
+    log_path: Path
+    gateway: str
+    rpc: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Node:
+        self.proc = self.host.popen([sys.executable, "-m", "lumend", "run", "--config",
+                                     str(self.config_path)], self.log_path)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+GATEWAY, RPC, CHECKPOINT, METRICS, ENGINES = 8100, 8200, 8300, 8400, 8500
+
+
+def start_node(lab: NetLab, name: str, endpoints: Sequence[str], cluster: str, *,
+               lease_ttl_s: int = 3, shadows: int = 0, engine_args: Sequence[str] = (),
+               gateway_settings: str = "") -> Node:
+    """A lumend node with one sim worker on a host of its own (the local cluster's config,
+    on the host's address); `gateway_settings`: extra `[gateway]` lines."""
+    host = lab.host(name)
+    text = node_config_toml(name, endpoints, cluster,
+                            [GATEWAY, RPC, CHECKPOINT, METRICS, ENGINES],
+                            lease_ttl_s=lease_ttl_s, shadows=shadows,
+                            engine_args=engine_args, workdir=lab.workdir)
+    text = text.replace("127.0.0.1", host.ip).replace("[gateway]\n",
+                                                      f"[gateway]\n{gateway_settings}\n", 1)
+    config = lab.workdir / f"{name}.toml"
+    config.write_text(text)
+    node = Node(host, name, config, lab.workdir / f"{name}.log",
+                f"http://{host.ip}:{GATEWAY}", f"{host.ip}:{RPC}")
+    return node.start()

@@ -1,0 +1,71 @@
+"""Network faults on a namespace lab (see `netlab.py`, `scenarios.py`): real etcd and lumend
+processes, each in a network namespace of its own, under streaming load. Each scenario is
+also a row of `bench/chaos.py`'s fault matrix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import netlab
+from .scenarios import (
+    coordinator_cut_off_from_etcd,
+    etcd_member_black_holed,
+    node_cut_off_from_its_peers,
+)
+
+pytestmark = [pytest.mark.etcd, pytest.mark.skipif(netlab.available() is not None,
+                                                   reason=str(netlab.available()))]
+
+
+def test_a_coordinator_cut_off_from_etcd_is_replaced_and_stops_answering(
+        tmp_path: Path) -> None:
+    row = coordinator_cut_off_from_etcd(tmp_path)
+    assert "THE OLD COORDINATOR STILL ANSWERS ADMIT" not in row.notes, row
+    assert row.streams == row.identical, row
+    assert row.admissions_resumed_s is not None
+
+
+def test_a_black_holed_etcd_member_is_left_behind(tmp_path: Path) -> None:
+    row = etcd_member_black_holed(tmp_path)
+    assert row.streams == row.identical, row
+    assert row.admissions_resumed_s is not None
+
+
+def test_streams_on_a_node_cut_off_from_its_peers_resume_elsewhere(tmp_path: Path) -> None:
+    row = node_cut_off_from_its_peers(tmp_path)
+    assert row.streams == row.identical, row
+    assert any(note.endswith("streams resumed elsewhere") and not note.startswith("0 ")
+               for note in row.notes), f"no stream was on the node cut off: void ({row})"
+
+
+def test_the_lab_makes_a_black_hole_not_a_refusal(tmp_path: Path) -> None:
+    """The control for every scenario here: across a lab black hole a connection neither
+    succeeds nor is refused; it times out. Healed, it succeeds."""
+    lab = netlab.NetLab(tmp_path)
+    try:
+        a, b = lab.host("a"), lab.host("b")
+        a.popen([sys.executable, "-m", "http.server", "9000", "--bind", a.ip], tmp_path / "a.log")
+
+        def connect() -> str:
+            code = (f"import socket; s = socket.socket(); s.settimeout(2)\n"
+                    f"try:\n s.connect(('{a.ip}', 9000)); print('connected')\n"
+                    f"except socket.timeout: print('timeout')\n"
+                    f"except OSError as e: print('refused', e)")
+            done = subprocess.run(["ip", "netns", "exec", b.ns, sys.executable, "-c", code],
+                                  capture_output=True, text=True, timeout=30)
+            return done.stdout.strip()
+
+        for _ in range(50):  # the server starting
+            if connect() == "connected":
+                break
+        assert connect() == "connected"
+        lab.black_hole(a, b)
+        assert connect() == "timeout"
+        lab.heal(a, b)
+        assert connect() == "connected"
+    finally:
+        lab.close()
