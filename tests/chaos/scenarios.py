@@ -380,7 +380,39 @@ def etcd_quorum_lost_and_back(workdir: Path) -> Row:
         lab.close()
 
 
+def two_nodes_lost_at_once(workdir: Path) -> Row:
+    """Two of three nodes drop off the network together (links down): two workers at once,
+    and with them the holders of each other's checkpoints. Streams through the third node's
+    gateway that ran there continue on it, recomputing what their lost checkpoints held."""
+    row = Row("two of 3 nodes lost at once (servers and their holders)")
+    lab = NetLab(workdir)
+    try:
+        cluster = Cluster(lab, etcd_members=1, nodes=3)
+        cluster.wait(cluster.settled, 90, "3 nodes settled")
+        via = cluster.nodes[0]
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as session:
+                load = Load(via.gateway)
+                await load.start(session)
+                running = await asyncio.to_thread(streams_in_flight, via)
+                away = sum(n for w, n in running.items() if not w.startswith(via.name + "-"))
+                row.notes.append(f"{away:.0f} streams on the lost nodes")
+                fault = time.monotonic()
+                for node in cluster.nodes[1:]:
+                    node.host.cut()
+                row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 60)
+                await load.finish(row)
+
+        asyncio.run(run())
+        row.etcd_db_bytes = cluster.db_bytes()
+        return row
+    finally:
+        lab.close()
+
+
 SCENARIOS: dict[str, Callable[[Path], Row]] = {
+    "two-nodes-lost": two_nodes_lost_at_once,
     "coordinator-etcd-partition": coordinator_cut_off_from_etcd,
     "etcd-member-blackhole": etcd_member_black_holed,
     "node-peer-partition": node_cut_off_from_its_peers,
