@@ -59,7 +59,7 @@ def run_config(cluster: LocalCluster, config: str, requests: list[Request],
     shadows = 1 if config.endswith("+shadows") else 0
     mode = config.removesuffix("+shadows")
     wait_whole(cluster, shadows)
-    lumenctl(cluster, "config", "set", "mode", mode)
+    lumenctl(cluster, "config", "set", "mode", mode, "--yes")  # it asks without --yes
     time.sleep(1.0)
     restored_before = restored_by_engine(cluster)
     print(f"  {config}: {len(requests)} requests over {args.duration:g} s, fault on "

@@ -346,8 +346,8 @@ def _policy_run(console: Console, cluster: LocalCluster, mode: str, options: Dem
     requests = trace(options.seed, options.trace_s, options.rate, (600, 1400), (80, 160))
     console.rule(f"policy {mode}: the same trace, the same fault")
     wait_whole(cluster, shadows)
-    console.print(f"$ lumenctl config set mode {mode}")
-    for line in lumenctl(cluster, "config", "set", "mode", mode).strip().splitlines():
+    console.print(f"$ lumenctl config set mode {mode} --yes")
+    for line in lumenctl(cluster, "config", "set", "mode", mode, "--yes").strip().splitlines():
         console.print(f"  {line}")
     time.sleep(1.0)  # the coordinator reads the setting on its next decision
     restored_before = restored_by_engine(cluster)
