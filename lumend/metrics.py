@@ -45,7 +45,7 @@ from lumend.gateway.server import Gateway
 log = logging.getLogger(__name__)
 
 WORKER_STATES: tuple[str, ...] = get_args(WorkerState)
-CYCLE_OUTCOMES = ("ok", "etcd_unavailable", "etcd_error")
+CYCLE_OUTCOMES = ("ok", "etcd_unavailable", "etcd_error", "error")
 RELOAD_RESULTS = ("applied", "refused", "invalid")
 
 

@@ -63,7 +63,7 @@ class CycleReport:
     """One finished iteration of the HA loop, for the watchdog and metrics."""
 
     duration_s: float
-    outcome: str  # "ok", "etcd_unavailable" or "etcd_error"
+    outcome: str  # "ok", "etcd_unavailable", "etcd_error" or "error" (unexpected)
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,14 @@ class ClusterAgent:
                         self.lease.forget()  # e.g. "lease not found": start with a new one
                     delay = backoff.next()
                     outcome = "etcd_error"
+                except Exception as exc:
+                    # Nothing a cycle meets may end the HA loop: lumend would stop and take
+                    # its engines with it. Treated as a lost contact, logged with its trace.
+                    log.exception("HA cycle failed unexpectedly")
+                    sentence = self._lost_contact(
+                        f"unexpected error in the HA cycle: {type(exc).__name__}: {exc}")
+                    delay = backoff.next()
+                    outcome = "error"
                 self._say(sentence)
                 self._cycle_done(CycleReport(self._mono() - started, outcome))
                 await _pause(delay, stop, self._wake)

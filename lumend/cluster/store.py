@@ -377,6 +377,10 @@ class EtcdStore:
             etcd_errors.ConnectionFailedError,
             etcd_errors.ConnectionTimeoutError,
             etcd_errors.InternalServerError,
+            # A watch etcd did not confirm in time (a member without quorum, a black hole);
+            # it used to escape the HA loop and stop lumend.
+            etcd_errors.WatchTimedOut,
+            etcd_errors.NoServerAvailableError,
             ValueError,  # pyetcd: "Trying to use a failed node"
         )
         started = time.monotonic()

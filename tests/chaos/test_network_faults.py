@@ -14,7 +14,9 @@ from . import netlab
 from .scenarios import (
     coordinator_cut_off_from_etcd,
     etcd_member_black_holed,
+    etcd_quorum_lost_and_back,
     node_cut_off_from_its_peers,
+    two_nodes_lost_at_once,
 )
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(netlab.available() is not None,
@@ -40,6 +42,20 @@ def test_streams_on_a_node_cut_off_from_its_peers_resume_elsewhere(tmp_path: Pat
     assert row.streams == row.identical, row
     assert any(note.endswith("streams resumed elsewhere") and not note.startswith("0 ")
                for note in row.notes), f"no stream was on the node cut off: void ({row})"
+
+
+def test_lumend_outlives_an_etcd_quorum_loss_and_admits_again(tmp_path: Path) -> None:
+    """Found by this scenario: a watch etcd could not confirm escaped the HA loop and
+    lumend stopped (its engines with it) when etcd lost quorum."""
+    row = etcd_quorum_lost_and_back(tmp_path)
+    assert row.streams == row.identical, row
+    assert row.admissions_resumed_s is not None
+
+
+def test_two_nodes_lost_at_once_their_streams_continue_on_the_third(tmp_path: Path) -> None:
+    row = two_nodes_lost_at_once(tmp_path)
+    assert row.streams == row.identical, row
+    assert not any(note.startswith("0 streams") for note in row.notes), f"void: {row}"
 
 
 def test_the_lab_makes_a_black_hole_not_a_refusal(tmp_path: Path) -> None:
