@@ -7,6 +7,7 @@
 #   openssl          the etcd and lumend roles make their CAs and certificates with it
 #   prometheus       promtool and prometheus: the shipped alert rules are checked with
 #                    promtool and evaluated by a real Prometheus (tests/deploy)
+#   logrotate        checks the engine-log rotation the lumend role installs (tests/deploy)
 set -euo pipefail
 
 missing=()
@@ -15,6 +16,7 @@ command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the etcd role's PKI (Ansible tests)
 { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
+command -v logrotate >/dev/null 2>&1 || missing+=(logrotate)
 if ! command -v pkg-config >/dev/null 2>&1; then
     missing+=(pkg-config libsystemd-dev)
 elif ! pkg-config --exists libsystemd; then

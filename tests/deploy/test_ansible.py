@@ -191,6 +191,7 @@ def host_vars(name: str, prefix: Path, ports: list[int], user: str, wheel: Path,
         "lumend_runtime_dir": str(prefix / "run/lumen"),
         "lumend_workers": [{"name": f"{name}-w0", "gpus": [0], "engine": "sim",
                             "model": "sim-small", "port": engine}],
+        "lumend_logrotate_dir": str(prefix / "etc/logrotate.d"),
         "lumend_pid_file": str(prefix / "run/lumend.pid"),
         "lumend_log_file": str(prefix / "log/lumend.log"),
         "lumend_ready_retries": 60,
@@ -233,7 +234,7 @@ def test_hosts(tmp_path: Path, wheel: Path, node_venv: Path
     hosts = {}
     for i, name in enumerate(HOSTS):
         prefix = tmp_path / name
-        for sub in ("etc/default", "run", "log"):
+        for sub in ("etc/default", "etc/logrotate.d", "run", "log"):
             (prefix / sub).mkdir(parents=True)
         hosts[name] = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user, wheel,
                                 node_venv)
@@ -323,6 +324,13 @@ def test_deploy_forms_a_cluster_and_is_idempotent(
             assert stat.S_IMODE((config_dir / name).stat().st_mode) == 0o600, name
         assert f'cert = "{config_dir / "rpc-node.pem"}"' in (config_dir / "lumend.toml").read_text()
         assert ", mTLS" in Path(variables["lumend_log_file"]).read_text()
+    # Engine logs rotate; logrotate accepts the file where it is installed.
+    rotate = Path(test_hosts["lumen-a"]["lumend_logrotate_dir"]) / "lumen"
+    assert f"{test_hosts['lumen-a']['lumend_state_dir']}/logs/*.log {{" in rotate.read_text()
+    if shutil.which("logrotate"):
+        dry = subprocess.run(["logrotate", "--debug", "--state", str(tmp_path / "lr.state"),
+                              str(rotate)], capture_output=True, text=True, timeout=30)
+        assert dry.returncode == 0, dry.stdout + dry.stderr
     view = read_view(endpoints, "ansible-test")
     assert sorted(view.nodes) == list(HOSTS)
     assert sorted(view.workers) == [f"{h}-w0" for h in HOSTS]
@@ -392,7 +400,7 @@ def tls_hosts(tmp_path: Path, wheel: Path, node_venv: Path
     hosts = {}
     for i, name in enumerate(TLS_HOSTS):
         prefix = tmp_path / name
-        for sub in ("etc/default", "run", "log"):
+        for sub in ("etc/default", "etc/logrotate.d", "run", "log"):
             (prefix / sub).mkdir(parents=True)
         variables = host_vars(name, prefix, ports[7 * i: 7 * i + 7], user, wheel, node_venv)
         variables["etcd_tls"] = True
