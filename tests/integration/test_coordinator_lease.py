@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -159,3 +160,49 @@ def test_calls_are_refused_once_the_lease_is_not_renewed(etcd: EtcdCluster) -> N
 
     asyncio.run(scenario())
 
+
+
+def hog(seconds: float) -> None:
+    """Hold the event loop's thread, as a long synchronous step on the loop would."""
+    time.sleep(seconds)
+
+
+def test_the_lease_is_renewed_while_the_loop_is_busy_and_lapses_when_it_is_wedged(
+    etcd: EtcdCluster,
+) -> None:
+    """The renewal thread (issue 16): a loop busy for longer than a renewal interval still
+    gets its lease renewed; a loop that stops answering for good lets it lapse (so another
+    node can take over a coordinator that cannot act)."""
+    import pyetcd
+
+    host, port = etcd.endpoints[0].removeprefix("http://").split(":")
+    probe = pyetcd.client(host=host, port=int(port))
+
+    async def scenario() -> None:
+        store = EtcdStore(etcd.endpoints, request_timeout_s=0.5)
+        keeper = LeaseKeeper(store, ttl_s=3)
+        lease = await keeper.grant()
+
+        async def keepalive() -> None:  # as the HA loop's keepalive task does
+            while True:
+                with contextlib.suppress(StoreError):
+                    await keeper.renew()
+                await asyncio.sleep(keeper.ttl_s / 3)
+
+        renewing = asyncio.create_task(keepalive())
+        try:
+            await asyncio.sleep(0.1)
+            busy_s = 2 * keeper.ttl_s / 3
+            hog(busy_s)  # busy: the loop runs nothing meanwhile
+            assert keeper.seconds_since_renewal() < busy_s, "no renewal while the loop was busy"
+            assert int(probe.get_lease_info(lease).TTL) > 0
+            await asyncio.sleep(0.1)  # answers again
+            # Wedged: no answer for three TTLs; the lease must be gone from etcd by then.
+            hog(3 * keeper.ttl_s)
+            assert int(probe.get_lease_info(lease).TTL) <= 0, "a wedged loop kept its lease"
+        finally:
+            renewing.cancel()
+            await keeper.revoke()
+            await store.close()
+
+    asyncio.run(scenario())
