@@ -4,15 +4,14 @@ One node, one worker, no shadow: a stream cut by the stop has nowhere to resume,
 that completes shows the engine outlived it. `/ready` flips to 503 on an operator's drain of
 the node and back on undrain; on SIGTERM it answers 503 at once, new requests get 503, the
 streams in flight finish, lumend exits 0. Negative control: the same stop with
-`drain_s = 0` cuts the streams."""
+`drain_s = 0` cuts the streams. lumenctl's conventions on a running cluster are checked on
+this cluster too (test_lumenctl_conventions.lumenctl_conventions), to start it once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from lumenctl.localcluster import LocalCluster, LumendNode
 from .conftest import wait_until
 from .test_coordinator import all_serving
 from .test_drain import Streams, expected
+from .test_lumenctl_conventions import lumenctl_conventions
 
 MakeCluster = Callable[..., LocalCluster]
 NODE = "node-1"
@@ -46,13 +46,6 @@ def ready_is(node: LumendNode, status: int) -> Callable[[], dict[str, Any] | Non
         code, body = ready(node)
         return body if code == status else None
     return probe
-
-
-def lumenctl(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lumenctl", "--config", "/nonexistent/lumend.toml",
-         "--endpoints", ",".join(cluster.endpoints), "--cluster", cluster.cluster, *args],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
 
 
 def set_drain_s(node: LumendNode, seconds: float) -> None:
@@ -95,13 +88,13 @@ def test_readiness_flips_on_drain_and_a_stop_lets_streams_finish(
     body = wait_until(ready_is(node, 200), 30, "/ready 200")
     assert body == {"node": NODE, "ready": True, "phase": "serving"}
 
-    # An operator's drain of the node takes it out of the load balancer; undrain puts it back.
-    drain = lumenctl(cluster, "drain", NODE, "--yes", "--force")
-    assert drain.returncode == 0, drain.stderr
-    body = wait_until(ready_is(node, 503), 30, "/ready 503 after the drain")
-    assert body["phase"] == "serving" and "drained" in body["reason"], body
-    undrain = lumenctl(cluster, "undrain", NODE)
-    assert undrain.returncode == 0, undrain.stderr
+    # An operator's drain of the node takes it out of the load balancer; undrain puts it
+    # back. The drain is part of lumenctl's conventions checked on this cluster.
+    def drained() -> None:
+        body = wait_until(ready_is(node, 503), 30, "/ready 503 after the drain")
+        assert body["phase"] == "serving" and "drained" in body["reason"], body
+
+    lumenctl_conventions(cluster, NODE, drained)
     wait_until(ready_is(node, 200), 30, "/ready 200 after undrain")
     wait_until(all_serving(cluster), 30, "the worker serving again")
 

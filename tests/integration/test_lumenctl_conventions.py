@@ -1,6 +1,7 @@
 """lumenctl's conventions against real etcd and lumend processes: -o after the command,
 version, shell completion, `events --watch` following new events, `drain` refusing the last
-serving worker of a model without --force, `config set` showing the change and asking."""
+serving worker of a model without --force, `config set` showing the change and asking.
+The checks on a running cluster run inside test_graceful_stop.py's cluster (one start)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,6 @@ from pathlib import Path
 
 from lumenctl.localcluster import LocalCluster
 from lumend import __version__
-
-from .conftest import wait_until
-from .test_coordinator import all_serving
-
-MakeCluster = Callable[..., LocalCluster]
 
 
 def base(cluster: LocalCluster) -> list[str]:
@@ -47,17 +43,27 @@ def test_version_and_completion() -> None:
     assert "events" not in completion.stdout.split()
 
 
-def test_conventions_on_a_running_cluster(local_cluster: MakeCluster) -> None:
-    cluster = local_cluster(size=2, lease_ttl_s=3, shadows=0)
-    wait_until(all_serving(cluster), 60, "both workers serving")
-
+def lumenctl_conventions(cluster: LocalCluster, node: str,
+                         while_drained: Callable[[], None]) -> None:
+    """On a running one-node cluster (tests/integration/test_graceful_stop.py starts it, to
+    share its processes): -o after the command, events --watch, drain refusing the last
+    serving worker, config set. `while_drained` runs while `node` is drained."""
     # -o after the command, as before it: the same document.
     after = ctl(cluster, "status", "-o", "json")
     assert after.returncode == 0, after.stderr
-    assert sorted(n["name"] for n in json.loads(after.stdout)["nodes"]) == ["node-1", "node-2"]
+    assert [n["name"] for n in json.loads(after.stdout)["nodes"]] == [node]
     assert ctl(cluster, "config", "show", "--output=yaml").stdout.startswith("cluster:")
 
-    # events --watch follows: a drain written after it started shows up as a JSON line.
+    # The node's worker is the last serving one of its model: refused without --force, and
+    # no intent is written.
+    refused = ctl(cluster, "drain", node, "--yes")
+    assert refused.returncode == 1
+    assert "no serving worker for sim-small" in refused.stderr and "--force" in refused.stderr
+    assert json.loads(ctl(cluster, "-o", "json", "status").stdout)["workers"][0]["state"] == \
+        "serving"
+
+    # events --watch follows: the forced drain, written after it started, shows up as a
+    # JSON line.
     follow = subprocess.Popen([*base(cluster), "events", "--watch", "0.2", "-o", "json",
                                "-n", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)
@@ -65,8 +71,8 @@ def test_conventions_on_a_running_cluster(local_cluster: MakeCluster) -> None:
         assert follow.stdout is not None
         first = json.loads(follow.stdout.readline())  # the newest event, shown at once
         assert set(first) >= {"at", "kind", "source", "message"}
-        drained = ctl(cluster, "drain", "node-1", "--yes")
-        assert drained.returncode == 0, drained.stderr
+        forced = ctl(cluster, "drain", node, "--yes", "--force")
+        assert forced.returncode == 0, forced.stderr
         deadline = time.monotonic() + 30
         kinds: list[str] = []
         while "drain_requested" not in kinds:
@@ -75,20 +81,9 @@ def test_conventions_on_a_running_cluster(local_cluster: MakeCluster) -> None:
     finally:
         os.killpg(follow.pid, signal.SIGTERM)
         follow.wait(timeout=10)
-
-    # node-1 drained: node-2's worker is the last serving one of sim-small.
-    def state(worker: str) -> str:
-        doc = json.loads(ctl(cluster, "-o", "json", "status").stdout)
-        return str(next(w["state"] for w in doc["workers"] if w["name"] == worker))
-
-    wait_until(lambda: state("node-1-w0") in ("drained", "draining"), 30, "node-1-w0 drained")
-    refused = ctl(cluster, "drain", "node-2-w0", "--yes")
-    assert refused.returncode == 1
-    assert "no serving worker for sim-small" in refused.stderr and "--force" in refused.stderr
-    forced = ctl(cluster, "drain", "node-2-w0", "--yes", "--force")
-    assert forced.returncode == 0, forced.stderr
-    for target in ("node-1", "node-2-w0"):
-        assert ctl(cluster, "undrain", target).returncode == 0
+    while_drained()
+    undrain = ctl(cluster, "undrain", node)
+    assert undrain.returncode == 0, undrain.stderr
 
     # config set: without a terminal and without --yes it refuses and writes nothing; with
     # --yes it shows the change; the same value again is no change.
