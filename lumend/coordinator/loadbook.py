@@ -293,8 +293,9 @@ class LoadBook:
         if column is None:
             placed: Mapping[str, int] = self._spread.get(name) or {}
             column = cols.spread[name] = [placed.get(w.name, 0) for w in cols.workers]
-        # float(max(heartbeat bytes, reported bytes + checkpoints placed)), in C-level maps.
-        ckpt = list(map(float, map(max, cols.hb_bytes, map(operator.add, cols.held, column))))
+        # max(heartbeat bytes, reported bytes + checkpoints placed), in C-level maps (ints:
+        # alpha * n is the same float as alpha * float(n) for any byte count).
+        ckpt = list(map(max, cols.hb_bytes, map(operator.add, cols.held, column)))
         return Table(cols.workers, LoadSnapshot(nodes=cols.nodes, ckpt_bytes=ckpt, queue=queue,
                                                 budget_bytes=cols.budget, alive=cols.eligible),
                      cols.cfg, cols.index)
