@@ -85,7 +85,8 @@ app = typer.Typer(
     help="Operate a LUMEN cluster: status, agent, events, checkpoints, drain/undrain, "
     "failover, keys.\n\n"
     "Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable."
-    "\n\nGlobal options go before or after the command (`lumenctl status -o json`). Shell "
+    "\n\n-o/--output goes before or after the command (`lumenctl status -o json`); the "
+    "other global options before it. Shell "
     "completion: `lumenctl --install-completion` (bash, zsh, fish).",
     no_args_is_help=True,
     add_completion=True,
