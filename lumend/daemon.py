@@ -36,6 +36,7 @@ from lumend.gateway.server import Gateway, GatewayBindError, GatewayTiming
 from lumend.metrics import (
     CheckpointCollector,
     EngineCollector,
+    EtcdHygieneCollector,
     GatewayCollector,
     MetricsBindError,
     MetricsServer,
@@ -177,6 +178,7 @@ class Node:
         self.readiness = readiness.NodeReadiness(config.node.name, lambda: self.agent.view)
         readiness.attach(self.gateway, self.readiness)
         self.metrics.registry.register(GatewayCollector(self.gateway))
+        self.metrics.registry.register(EtcdHygieneCollector(self.agent))
         for collector in self.plane.collectors:
             self.metrics.registry.register(collector)
         self.agent.cycle_listeners += [self.metrics.observe_cycle, self.link.poke]
