@@ -200,8 +200,9 @@ def test_lumenctl_agent_shows_a_nodes_live_status_over_mtls(
     assert [w["name"] for w in doc["workers"]] == ["node-1-w0"]
     assert doc["workers"][0]["drained"] is False
 
-    # The coordinator's Drain order reaches the node over mTLS, and the agent shows it.
-    drained = ctl(etcd, "drain", "node-1", "--yes", "--wait", "--timeout", "30")
+    # The coordinator's Drain order reaches the node over mTLS, and the agent shows it
+    # (the only serving worker of its model: --force).
+    drained = ctl(etcd, "drain", "node-1", "--yes", "--force", "--wait", "--timeout", "30")
     assert drained.returncode == 0, drained.stderr
     doc = json.loads(ctl(etcd, "-o", "json", "agent", "node-1", *flags).stdout)
     assert doc["workers"][0]["drained"] is True and doc["workers"][0]["state"] == "drained"

@@ -323,14 +323,14 @@ def test_config_set_reaches_the_coordinators_next_decision(local_cluster: MakeCl
             assert admission.checkpoint is not None and recovery.resume  # the defaults
             # theta 0, and a prefix (4 blocks) not above tau: the holder (L_hat 1) is
             # overloaded, so the request is recomputed instead.
-            assert lumenctl("config", "set", "theta", "0").returncode == 0
+            assert lumenctl("config", "set", "theta", "0", "--yes").returncode == 0
             deadline = time.monotonic() + 10
             n = 1
             while (await decide(client, n))[1].resume:
                 assert time.monotonic() < deadline, "theta = 0 never reached the coordinator"
                 n += 1
                 await asyncio.sleep(0.05)
-            assert lumenctl("config", "set", "mode", "stop_and_restart").returncode == 0
+            assert lumenctl("config", "set", "mode", "stop_and_restart", "--yes").returncode == 0
             while (await decide(client, n))[0].policy != "stop_and_restart":
                 assert time.monotonic() < deadline, "the mode never reached the coordinator"
                 n += 1
@@ -346,9 +346,9 @@ def test_config_set_reaches_the_coordinators_next_decision(local_cluster: MakeCl
     settings = {row["key"]: row["value"] for row in json.loads(shown.stdout)["settings"]}
     assert settings["theta"] == 0 and settings["mode"] == "stop_and_restart"
     assert lumenctl("config", "get", "tau").stdout.strip() == "64"
-    bad = lumenctl("config", "set", "theta", "lots")
+    bad = lumenctl("config", "set", "theta", "lots", "--yes")
     assert bad.returncode == 2 and "theta 'lots' is not a number" in bad.stderr
-    assert lumenctl("config", "set", "gamma", "1").returncode == 2
+    assert lumenctl("config", "set", "gamma", "1", "--yes").returncode == 2
 
 
 def test_gateway_decides_locally_when_the_coordinator_is_gone(

@@ -121,7 +121,7 @@ def test_interrupted_requests_spread_under_lumen_and_go_to_the_neighbour_under_f
     gateway = cluster.node("node-1")
     plans: dict[str, RecoveryPlan] = {}
     for mode in ("lumen", "fixed_checkpoint"):
-        lumenctl(cluster, "config", "set", "mode", mode)
+        lumenctl(cluster, "config", "set", "mode", mode, "--yes")
         wait_until(all_serving(cluster), 60, f"every worker serving before the {mode} fault")
         asyncio.run(coordinator_in_mode(cluster, mode, 4))
         before, started = metric(gateway, *RECOVER), time.time()
