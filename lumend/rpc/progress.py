@@ -62,6 +62,7 @@ class ProgressReporter:
             self._term = term
         assert self._stream is not None
         now = {ckpt: held for ckpt, held in self._holdings().items()}
+        sent = self.reports
         try:
             for ckpt, (holder, nbytes, tokens) in now.items():
                 if self._sent.get(ckpt) != nbytes:
@@ -72,6 +73,10 @@ class ProgressReporter:
                 await self._stream.send(CheckpointProgress(ckpt, "-", 0, 0))
                 del self._sent[ckpt]
                 self.reports += 1
+            if self.reports == sent:
+                # Nothing to report: a keepalive, so that an idle stream whose call has
+                # ended (its coordinator restarted or went away) finds out and reopens.
+                await self._stream.keepalive()
         except RpcFailure as exc:
             self.errors += 1
             log.debug("progress to the coordinator: %s", exc)
