@@ -24,6 +24,11 @@ class RpcCollector(Collector):
         yield CounterMetricFamily(
             "lumen_agent_stale_epoch_refused", "Commands refused because they carried the "
             "epoch of a deposed coordinator.", value=self._agent.stale_refused)
+        yield CounterMetricFamily(
+            "lumen_agent_unconfirmed_epoch_refused", "Commands refused because they carried "
+            "an epoch above the highest seen that etcd did not confirm as the coordinator "
+            "key's (a forged or mistaken epoch), or etcd could not be read to confirm it.",
+            value=self._agent.unknown_refused)
         commands = CounterMetricFamily("lumen_agent_commands", "Coordinator commands this "
                                        "node carried out, by command.", labels=["command"])
         for command, n in sorted(self._agent.commands.items()):

@@ -15,7 +15,7 @@ from lumend.rpc.client import AgentClient, RpcFailure
 
 from .conftest import wait_until
 from .test_agent_commands import failover_events, with_standby
-from .test_coordinator import settled
+from .test_coordinator import metric, settled
 from .test_lumenctl import lumenctl
 
 MakeCluster = Callable[..., LocalCluster]
@@ -55,6 +55,8 @@ def test_a_forged_epoch_is_refused_and_failover_still_works(local_cluster: MakeC
     asyncio.run(poison())
     node = cluster.node(target)
     assert node.log_text().count("not the current coordinator's epoch") >= 2
+    assert metric(node, "lumen_agent_unconfirmed_epoch_refused_total") == 2
+    assert metric(node, "lumen_agent_stale_epoch_refused_total") == 0
     assert failover_events(cluster, worker) == []
     # The real coordinator's order is still obeyed (before the fix: refused as stale
     # against the forged 2**62, and `--wait` timed out).
