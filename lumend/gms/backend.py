@@ -2,7 +2,7 @@
 
 `host` keeps allocations in memfd pages (any Linux machine; the sim engine and CPU tests).
 `cuda` keeps them in device memory (cuMemCreate, exported as POSIX file descriptors; see
-`cuda_vmm`); it needs cuda-python (`lumen[gpu]`) and an NVIDIA driver.
+`cuda_vmm`); it needs cuda-python (`lumen-serving[gpu]`) and an NVIDIA driver.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CUDA virtual memory management for GMS, over cuda-python's driver bindings.
 
 Imported lazily: nothing here touches CUDA until `driver()` is first called, so CPU-only
-machines import lumend.gms freely and only the `cuda` backend needs `lumen[gpu]`.
+machines import lumend.gms freely and only the `cuda` backend needs `lumen-serving[gpu]`.
 
 The server side creates physical allocations (`cuMemCreate`, pinned device memory that can
 be exported as a POSIX file descriptor) and never maps them, so it needs no CUDA context.
@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-GPU_EXTRA_HINT = "install lumen[gpu] (pip install 'lumen[gpu]', which brings cuda-python)"
+GPU_EXTRA_HINT = ("install lumen-serving[gpu] (pip install 'lumen-serving[gpu]', which brings "
+                  "cuda-python)")
 
 _driver: Any = None
 
@@ -91,7 +92,7 @@ def _broken(exc: BaseException) -> CudaUnavailable:
     return CudaUnavailable(
         f"cuda-python is installed but does not work here ({type(exc).__name__}: "
         f"{first_line}); reinstall a build that matches this driver and Python: "
-        f"pip install --force-reinstall 'lumen[gpu]' (check `nvidia-smi` for the driver's "
+        f"pip install --force-reinstall 'lumen-serving[gpu]' (check `nvidia-smi` for the driver's "
         f"CUDA version), or use the GMS backend 'host'")
 
 

@@ -404,7 +404,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="LUMEN GPU Memory Service server")
     parser.add_argument("--socket", required=True, help="unix socket path")
     parser.add_argument("--backend", default="host", choices=["host", "cuda"],
-                        help="host: memfd pages (any Linux); cuda: GPU memory (lumen[gpu])")
+                        help="host: memfd pages (any Linux); cuda: GPU memory (lumen-serving[gpu])")
     parser.add_argument("--device", type=int, default=0,
                         help="CUDA device ordinal for the cuda backend (default 0)")
     parser.add_argument("--alloc-timeout", type=float, default=10.0,
