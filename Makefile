@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lumen-installed
 
-.PHONY: demo test lint bench clean proto wheel check-rules
+.PHONY: demo test lint bench clean proto chaos wheel check-rules
 
 $(STAMP): pyproject.toml scripts/system-deps.sh
 	./scripts/system-deps.sh
@@ -34,6 +34,11 @@ lint: $(STAMP)
 ## bench: coordinator takeover and heartbeat rate (prints tables; asserts nothing)
 bench: $(STAMP)
 	$(BIN)/python bench/takeover.py
+
+## chaos: the fault matrix (root): network faults on a namespace lab under streaming load,
+## one table row per scenario (tests/chaos/ runs the same scenarios in `make test`)
+chaos: $(STAMP)
+	$(BIN)/python bench/chaos.py
 
 ## proto: regenerate lumend/rpc's gRPC modules from lumend/rpc/lumen.proto (grpcio-tools)
 proto: $(STAMP)
