@@ -8,6 +8,7 @@
 #   prometheus       promtool and prometheus: the shipped alert rules are checked with
 #                    promtool and evaluated by a real Prometheus (tests/deploy)
 #   logrotate        checks the engine-log rotation the lumend role installs (tests/deploy)
+#   iproute2         `ip`: the chaos suite's network namespaces, links and black holes
 set -euo pipefail
 
 missing=()
@@ -17,6 +18,7 @@ command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the etcd role's PKI (Ansible tests)
 { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
 command -v logrotate >/dev/null 2>&1 || missing+=(logrotate)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 if ! command -v pkg-config >/dev/null 2>&1; then
     missing+=(pkg-config libsystemd-dev)
 elif ! pkg-config --exists libsystemd; then
