@@ -254,6 +254,7 @@ def test_ansible_role_writes_a_key_file_lumend_accepts(tmp_path: Path) -> None:
         "lumend_rpc_listen": "127.0.0.1:7440", "lumend_checkpoint_listen": "127.0.0.1:7441",
         "lumend_checkpoint_budget": "1GiB", "lumend_checkpoint_eviction": "lru",
         "lumend_checkpoint_insecure": True, "lumend_metrics_listen": "127.0.0.1:9440",
+        "lumend_gateway_drain_s": 30, "lumend_rpc_insecure": True,
         "lumend_workers": [], "lumend_api_keys_file": str(path),
     }
     config = tmp_path / "lumend.toml"
