@@ -7,6 +7,7 @@ it stops itself, by pid: SIGTERM, a grace period, then SIGKILL.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -44,6 +45,29 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def free_port_run(count: int, low: int = 20000, high: int = 32000) -> int:
+    """The first of `count` consecutive ports that are free now, below the kernel's
+    ephemeral range (32768 and up by default): a worker's engines listen on `port ..
+    port + shadows`, and a port in the ephemeral range can be taken meanwhile by any
+    outgoing connection (an engine that then cannot bind, and a flaky cluster)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(low, high - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports between {low} and {high}")
 
 
 def etcd_binary() -> str:
@@ -356,7 +380,8 @@ class LocalCluster:
         return self
 
     def add_node(self, name: str) -> LumendNode:
-        ports = free_ports(5)
+        shadows = self.node_shadows.get(name, self.shadows)
+        ports = [*free_ports(4), free_port_run(self.workers_per_node * (shadows + 1))]
         config = self.workdir / f"{name}.toml"
         config.write_text(
             node_config_toml(
