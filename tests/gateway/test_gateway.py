@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from lumenctl.localcluster import free_ports
+from lumenctl.localcluster import free_port_run, free_ports
 from lumend.cluster.view import ClusterView
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import SimAdapter
@@ -44,7 +44,7 @@ async def cluster(tmp_path: Path, shadows: int, args: tuple[str, ...] = ("--time
     sups = []
     for i in range(workers):
         worker = WorkerConfig(name=f"w{i}", gpus=[i], engine="sim", shadows=shadows,
-                              model="sim-small", port=free_ports(1)[0], args=list(args))
+                              model="sim-small", port=free_port_run(shadows + 1), args=list(args))
         sups.append(WorkerSupervisor("n", worker, SimAdapter(), runtime_dir=tmp_path / "run",
                                      log_dir=tmp_path / "logs",
                                      timing=SupervisorTiming(tick_s=0.05)))
