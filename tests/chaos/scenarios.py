@@ -10,7 +10,8 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,14 +225,22 @@ async def old_coordinator_refuses(node: Node) -> bool:
 # -- scenarios ----------------------------------------------------------------------------
 
 
+@contextmanager
+def lab_cluster(workdir: Path, etcd_members: int) -> Iterator[tuple[NetLab, Cluster]]:
+    """A lab with `etcd_members` etcd members and 3 lumend nodes, removed afterwards."""
+    lab = NetLab(workdir)
+    try:
+        yield lab, Cluster(lab, etcd_members=etcd_members, nodes=3)
+    finally:
+        lab.close()
+
+
 def coordinator_cut_off_from_etcd(workdir: Path) -> Row:
     """The coordinator's node loses etcd (a black hole, its peers still reachable). Its term
     must end (it stops answering Admit) and another node must be elected; streams through
     another node's gateway go on. Then the network heals and it rejoins as a follower."""
     row = Row("coordinator's node black-holed from etcd")
-    lab = NetLab(workdir)
-    try:
-        cluster = Cluster(lab, etcd_members=1, nodes=3)
+    with lab_cluster(workdir, etcd_members=1) as (lab, cluster):
         view = cluster.wait(cluster.settled, 90, "3 nodes settled")
         assert view.coordinator is not None
         old, epoch = cluster.node(view.coordinator.record.node), view.coordinator.epoch
@@ -262,8 +271,6 @@ def coordinator_cut_off_from_etcd(workdir: Path) -> Row:
         asyncio.run(run())
         row.etcd_db_bytes = cluster.db_bytes()
         return row
-    finally:
-        lab.close()
 
 
 def etcd_member_black_holed(workdir: Path) -> Row:
@@ -271,9 +278,7 @@ def etcd_member_black_holed(workdir: Path) -> Row:
     or not: whichever the nodes talk to first). Clients must move to the other two members
     and the cluster go on, streams uninterrupted."""
     row = Row("one of 3 etcd members black-holed")
-    lab = NetLab(workdir)
-    try:
-        cluster = Cluster(lab, etcd_members=3, nodes=3)
+    with lab_cluster(workdir, etcd_members=3) as (lab, cluster):
         cluster.wait(cluster.settled, 90, "3 nodes settled")
         lost = cluster.etcd[0]
         rest = [m.client_url for m in cluster.etcd[1:]]
@@ -298,8 +303,6 @@ def etcd_member_black_holed(workdir: Path) -> Row:
         asyncio.run(run())
         row.etcd_db_bytes = cluster.db_bytes()
         return row
-    finally:
-        lab.close()
 
 
 def node_cut_off_from_its_peers(workdir: Path) -> Row:
@@ -307,9 +310,7 @@ def node_cut_off_from_its_peers(workdir: Path) -> Row:
     node): streams another node's gateway runs on its engine hang and must resume elsewhere
     after the token timeout, from their checkpoints on the other nodes' holders."""
     row = Row("a node black-holed from its peers (not from etcd)")
-    lab = NetLab(workdir)
-    try:
-        cluster = Cluster(lab, etcd_members=1, nodes=3)
+    with lab_cluster(workdir, etcd_members=1) as (lab, cluster):
         cluster.wait(cluster.settled, 90, "3 nodes settled")
         via = cluster.nodes[0]
 
@@ -338,8 +339,6 @@ def node_cut_off_from_its_peers(workdir: Path) -> Row:
         asyncio.run(run())
         row.etcd_db_bytes = cluster.db_bytes()
         return row
-    finally:
-        lab.close()
 
 
 def etcd_quorum_lost_and_back(workdir: Path) -> Row:
@@ -347,9 +346,7 @@ def etcd_quorum_lost_and_back(workdir: Path) -> Row:
     coordinator. Streams in flight go on (engines and gateways need no etcd; gateways decide
     locally); when the members come back a coordinator is elected and admissions resume."""
     row = Row("etcd quorum lost (2 of 3 members black-holed), then back")
-    lab = NetLab(workdir)
-    try:
-        cluster = Cluster(lab, etcd_members=3, nodes=3)
+    with lab_cluster(workdir, etcd_members=3) as (lab, cluster):
         view = cluster.wait(cluster.settled, 90, "3 nodes settled")
         assert view.coordinator is not None
         epoch = view.coordinator.epoch
@@ -379,8 +376,6 @@ def etcd_quorum_lost_and_back(workdir: Path) -> Row:
         asyncio.run(run())
         row.etcd_db_bytes = cluster.db_bytes()
         return row
-    finally:
-        lab.close()
 
 
 def two_nodes_lost_at_once(workdir: Path) -> Row:
@@ -388,9 +383,7 @@ def two_nodes_lost_at_once(workdir: Path) -> Row:
     and with them the holders of each other's checkpoints. Streams through the third node's
     gateway that ran there continue on it, recomputing what their lost checkpoints held."""
     row = Row("two of 3 nodes lost at once (servers and their holders)")
-    lab = NetLab(workdir)
-    try:
-        cluster = Cluster(lab, etcd_members=1, nodes=3)
+    with lab_cluster(workdir, etcd_members=1) as (_lab, cluster):
         cluster.wait(cluster.settled, 90, "3 nodes settled")
         via = cluster.nodes[0]
 
@@ -410,8 +403,6 @@ def two_nodes_lost_at_once(workdir: Path) -> Row:
         asyncio.run(run())
         row.etcd_db_bytes = cluster.db_bytes()
         return row
-    finally:
-        lab.close()
 
 
 SCENARIOS: dict[str, Callable[[Path], Row]] = {

@@ -84,6 +84,15 @@ async def call(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[
     return out
 
 
+def kill_busiest(gateway: Gateway, sups: list[WorkerSupervisor]) -> WorkerSupervisor:
+    """SIGKILL the active engine of the worker with the most of the gateway's streams."""
+    victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
+    active = next(s for s in victim.slots if s.state == "active")
+    assert active.proc is not None
+    os.kill(active.proc.pid, signal.SIGKILL)
+    return victim
+
+
 CASES: list[tuple[str, bool, dict[str, Any]]] = [
     ("completion", False, {"prompt": "東京は日本の首都です 😀", "max_tokens": 160, "stream": True,
                            "return_token_ids": True}),
@@ -124,10 +133,7 @@ async def _test_bpe_streams_resume_token_identical_across_an_engine_kill(
                  for i, (_, chat, body) in enumerate(cases)]
         while min(s[0] for s in seen) < 12:
             await asyncio.sleep(0.005)
-        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
-        active = next(s for s in victim.slots if s.state == "active")
-        assert active.proc is not None
-        os.kill(active.proc.pid, signal.SIGKILL)
+        kill_busiest(gateway, sups)
         results = await asyncio.gather(*tasks)
     assert gateway.counters.resumes >= 1, "no stream was interrupted: the test is void"
     for (name, _, body), got in zip(cases, results, strict=True):
@@ -231,10 +237,7 @@ async def _test_a_stream_broken_long_after_its_start_still_resumes(tmp_path: Pat
         while time.monotonic() - started < 4 * timing.recover_within_s:
             await asyncio.sleep(0.05)
         assert seen[0] and not task.done(), "the stream ended before the kill: make it longer"
-        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
-        active = next(s for s in victim.slots if s.state == "active")
-        assert active.proc is not None
-        os.kill(active.proc.pid, signal.SIGKILL)
+        kill_busiest(gateway, sups)
         got = await task
     assert gateway.counters.resumes == 1
     assert got["errors"] == [] and got["token_ids"] == reference["token_ids"]
@@ -271,10 +274,7 @@ async def _test_a_worker_with_a_shadow_continues_the_stream_itself(tmp_path: Pat
         task = asyncio.create_task(call(session, base, False, body, seen))
         while seen[0] < 10:
             await asyncio.sleep(0.005)
-        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
-        active = next(s for s in victim.slots if s.state == "active")
-        assert active.proc is not None
-        os.kill(active.proc.pid, signal.SIGKILL)
+        kill_busiest(gateway, sups)
         got = await task
     assert gateway.counters.routed["shadow"] == 1, gateway.counters.routed
     assert got["token_ids"] == reference["token_ids"] and got["text"] == reference["text"]
@@ -361,10 +361,7 @@ async def _kill_under_sampled_streams(tmp_path: Path) -> tuple[Gateway, list[dic
                  for i, body in enumerate(SAMPLED)]
         while min(s[0] for s in seen) < 12:
             await asyncio.sleep(0.005)
-        victim = max(sups, key=lambda s: gateway.in_flight[s.worker.name])
-        active = next(s for s in victim.slots if s.state == "active")
-        assert active.proc is not None
-        os.kill(active.proc.pid, signal.SIGKILL)
+        victim = kill_busiest(gateway, sups)
         results = await asyncio.gather(*tasks)
         survivor = next(s for s in sups if s is not victim).record().engines[0].url
         rendered = []
