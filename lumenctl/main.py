@@ -38,6 +38,7 @@ from lumend.cluster.store import (
     CreateRevisionIs,
     Delete,
     EtcdStore,
+    KeyValue,
     Put,
     StoreConfigError,
     StoreError,
@@ -788,7 +789,7 @@ def config_set(
 
     c: Context = ctx.obj
 
-    async def read(store: EtcdStore) -> tuple[ClusterSettings, Any]:
+    async def read(store: EtcdStore) -> tuple[ClusterSettings, KeyValue | None]:
         return await _read_settings(c, store), await store.get(c.keys.config)
 
     current, stored = _run(c, read)
@@ -808,15 +809,17 @@ def config_set(
         if not typer.confirm("apply?"):
             _fail(EXIT_FAILED, "cancelled")
 
-    async def write(store: EtcdStore) -> bool:
-        # Compare-and-swap: the write lands only if the key is as it was read (absent, or
-        # the same create revision and value); otherwise nothing is written.
+    async def write(store: EtcdStore) -> str | None:
+        # Compare-and-swap on the `config` key as it was read when the change was shown:
+        # the same mod revision (or still absent). The transaction compares its create
+        # revision, so a delete and re-create in between fails it; a plain put in between
+        # is caught by the mod revision read just before it (the store has no mod-revision
+        # compare yet, so a put landing between that read and the transaction is not).
+        # None: written; otherwise what changed meanwhile.
         now_stored = await store.get(c.keys.config)
-        same = (now_stored is None and stored is None) or (
-            now_stored is not None and stored is not None
-            and now_stored.mod_revision == stored.mod_revision)
-        if not same:
-            return False
+        changed = _config_changed(stored, now_stored, current)
+        if changed is not None:
+            return changed
         now = time.time()
         event = Event(at=now, kind="config_changed", source="lumenctl",
                       message=f"{getpass.getuser()}@{socket.gethostname()} set {key} = "
@@ -825,14 +828,44 @@ def config_set(
         revision = 0 if stored is None else stored.create_revision
         result = await store.txn([CreateRevisionIs(c.keys.config, revision)],
                                  [Put(c.keys.config, encode_value(updated)),
-                                  Put(event_key, encode_value(event))])
-        return result.succeeded
+                                  Put(event_key, encode_value(event))],
+                                 read_on_failure=[c.keys.config])
+        if result.succeeded:
+            return None
+        return _config_changed(stored, result.read.get(c.keys.config), current) or (
+            "the config key was deleted and written again")
 
-    if not _run(c, write):
-        _fail(EXIT_FAILED, f"the settings of cluster {c.cluster!r} changed since they were "
-              "read (someone else set them): nothing written; run `lumenctl config show` "
-              "and try again")
+    changed = _run(c, write)
+    if changed is not None:
+        _fail(EXIT_FAILED, f"the settings of cluster {c.cluster!r} changed after they were "
+              f"read and shown here: {changed}. Nothing was written; run `lumenctl config "
+              f"set {key} {value}` again to see the change against the new settings")
     typer.echo(f"{key} = {after} (was {before}) in cluster {c.cluster!r}")
+
+
+def _config_changed(read: KeyValue | None, now: KeyValue | None, shown: ClusterSettings
+                    ) -> str | None:
+    """What changed in the stored `config` key between `read` (as read when the diff was
+    shown; None: absent) and `now`, against the settings shown; None: nothing changed."""
+    from lumend.coordinator.settings import SettingError, check
+
+    if read is None and now is None:
+        return None
+    if read is not None and now is not None and read.mod_revision == now.mod_revision:
+        return None
+    if now is None:
+        assert read is not None
+        return f"the config key was deleted (it was at revision {read.mod_revision})"
+    was = "absent" if read is None else f"at revision {read.mod_revision}"
+    where = f"the config key, {was} then, is at revision {now.mod_revision} now"
+    try:
+        stored = check(decode_value(now.value, ClusterSettings))
+    except (msgspec.DecodeError, msgspec.ValidationError, SettingError):
+        return f"{where}, with a value that is not valid settings"
+    diffs = [f"{name} {getattr(shown, name)} -> {getattr(stored, name)}"
+             for name in ClusterSettings.__struct_fields__
+             if getattr(shown, name) != getattr(stored, name)]
+    return f"{where} ({', '.join(diffs) if diffs else 'the same values written again'})"
 
 
 # -- demo -------------------------------------------------------------------------------
