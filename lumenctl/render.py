@@ -112,7 +112,7 @@ def checkpoints_table(doc: dict[str, Any]) -> RenderableType:
                f"{_coverage(doc)}")
     if doc["coverage_unknown"]:
         caption += (f" (unknown for {', '.join(doc['coverage_unknown'])}: the engine reports "
-                    "no lumen:ckpt_requests_* gauges)")
+                    "no lumen_ckpt_requests_* gauges)")
     return Group(table, Text(caption))
 
 

@@ -174,9 +174,12 @@ class CheckpointCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        held = GaugeMetricFamily("lumen_ckpt_bytes_held", "Bytes of KV checkpoint pages this "
+        held = GaugeMetricFamily("lumen_ckpt_held_bytes", "Bytes of KV checkpoint pages this "
                                  "node holds, by the worker they are charged to.",
                                  labels=["worker"])
+        # The 0.1 name, without the unit suffix: kept one release (operator guide).
+        held_old = GaugeMetricFamily("lumen_ckpt_bytes_held", "Deprecated: use "
+                                     "lumen_ckpt_held_bytes.", labels=["worker"])
         budget = GaugeMetricFamily("lumen_ckpt_budget_bytes", "Checkpoint budget of each "
                                    "worker on this node.", labels=["worker"])
         requests = GaugeMetricFamily("lumen_ckpt_requests", "Requests with a checkpoint held "
@@ -190,6 +193,7 @@ class CheckpointCollector(Collector):
                                       "activity for the TTL.", labels=["worker"])
         for worker, w in sorted(stats.workers.items()):
             held.add_metric([worker], w.bytes_held)
+            held_old.add_metric([worker], w.bytes_held)
             budget.add_metric([worker], w.budget_bytes)
             requests.add_metric([worker], w.requests)
             evictions.add_metric([worker], w.evictions)
@@ -199,7 +203,7 @@ class CheckpointCollector(Collector):
                                   "invalid, by reason.", labels=["reason"])
         for reason, n in sorted(stats.bad_frames.items()):
             bad.add_metric([reason], n)
-        yield from (held, budget, requests, evictions, refusals, orphans, bad)
+        yield from (held, held_old, budget, requests, evictions, refusals, orphans, bad)
 
 
 class GatewayCollector(Collector):

@@ -63,7 +63,7 @@ class CheckpointProgress:
     @property
     def intact(self) -> bool:
         """No block dropped and none refused so far (ACKs still on their way are trusted):
-        what an engine's `lumen:ckpt_requests_complete` counts."""
+        what an engine's `lumen_ckpt_requests_complete` counts."""
         return not self.dropped and not self.refused
 
 

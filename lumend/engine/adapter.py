@@ -15,6 +15,7 @@ from typing import Protocol
 
 import aiohttp
 
+from lumend.engine.metric_names import CKPT_REQUESTS_COMPLETE, CKPT_REQUESTS_RUNNING, deprecated
 from lumend.engine.vllm_assist import ASSIST_FILE_ENV
 from lumend.engine.vllm_version import vllm_problem
 
@@ -246,9 +247,9 @@ LUMEN_KV_TRANSFER_CONFIG = json.dumps({
 }, separators=(",", ":"))
 
 
+_COVERAGE = (CKPT_REQUESTS_RUNNING, CKPT_REQUESTS_COMPLETE)
 _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "lumen:ckpt_requests_running",
-                 "lumen:ckpt_requests_complete")
+                 "vllm:kv_cache_usage_perc", *_COVERAGE, *map(deprecated, _COVERAGE))
 
 
 LUMEN_SPECULATIVE_CONFIG = json.dumps({
@@ -260,8 +261,9 @@ LUMEN_SPECULATIVE_CONFIG = json.dumps({
 
 def parse_load(metrics_text: str) -> EngineLoad:
     """Load from vLLM's metric names in a Prometheus text exposition, and checkpoint
-    coverage from LUMEN's `lumen:ckpt_requests_running` / `lumen:ckpt_requests_complete`
-    (None each when absent, as from an engine without LUMEN's connector)."""
+    coverage from LUMEN's `lumen_ckpt_requests_running` / `lumen_ckpt_requests_complete`
+    (or their deprecated 0.1 names alone, from an older engine; None each when absent, as
+    from an engine without LUMEN's connector)."""
     values: dict[str, float] = {}
     for line in metrics_text.splitlines():
         if line.startswith("#") or not line.strip():
@@ -272,14 +274,17 @@ def parse_load(metrics_text: str) -> EngineLoad:
             values[name] = values.get(name, 0.0) + float(value)
 
     def optional(name: str) -> int | None:
-        return int(values[name]) if name in values else None
+        for n in (name, deprecated(name)):
+            if n in values:
+                return int(values[n])
+        return None
 
     return EngineLoad(
         running=int(values.get("vllm:num_requests_running", 0)),
         waiting=int(values.get("vllm:num_requests_waiting", 0)),
         kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
-        ckpt_running=optional("lumen:ckpt_requests_running"),
-        ckpt_complete=optional("lumen:ckpt_requests_complete"),
+        ckpt_running=optional(CKPT_REQUESTS_RUNNING),
+        ckpt_complete=optional(CKPT_REQUESTS_COMPLETE),
     )
 
 

@@ -10,7 +10,7 @@ error to the client.
 
 Holders are reached with the cluster's CURVE keys named by LUMEN_CKPT_KEYS (lumend sets it;
 unset: no CURVE). How many running requests have a complete checkpoint is what the engine
-exports as `lumen:ckpt_requests_complete` (`count_complete`).
+exports as `lumen_ckpt_requests_complete` (`count_complete`).
 """
 
 from __future__ import annotations

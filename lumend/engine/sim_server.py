@@ -38,6 +38,11 @@ from aiohttp import web
 
 from lumend.assist.attach import AssistState, AttachError, AttachRequest
 from lumend.checkpoint.security import KeyFileError, client_keys_from_env
+from lumend.engine.metric_names import (
+    CKPT_REQUESTS_COMPLETE,
+    CKPT_REQUESTS_RUNNING,
+    deprecated,
+)
 from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer
 from lumend.engine.sim_core import (
     Sampling,
@@ -430,10 +435,10 @@ def build_app(engine: SimEngine) -> web.Application:
         # Checkpoint coverage (gauges lumend reads into the worker's load): running
         # requests, and those of them whose checkpoint has lost no block so far.
         complete = engine.checkpointer.count_complete(s.running, engine.saving)
-        lines += [
-            f'lumen:ckpt_requests_running{{model_name="{opts.model.name}"}} {len(s.running)}',
-            f'lumen:ckpt_requests_complete{{model_name="{opts.model.name}"}} {complete}',
-        ]
+        for name, value in ((CKPT_REQUESTS_RUNNING, len(s.running)),
+                            (CKPT_REQUESTS_COMPLETE, complete)):
+            lines += [f'{n}{{model_name="{opts.model.name}"}} {value}'
+                      for n in (name, deprecated(name))]
         c = engine.checkpointer.counters
         lines += [
             f"lumen_sim_ckpt_blocks_saved_total {c.blocks_saved}",

@@ -51,6 +51,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 from lumend.engine.kv_pages import PAGE_FORMAT, KvPages, StagedPages
+from lumend.engine.metric_names import (
+    CKPT_REQUESTS_COMPLETE,
+    CKPT_REQUESTS_RUNNING,
+    ckpt_counter,
+    deprecated,
+)
 from lumend.engine.sim_checkpoint import CheckpointPlan, parse_plan
 
 if TYPE_CHECKING:
@@ -536,8 +542,9 @@ class LumenConnectorStats(KVConnectorStats):
 
 
 class LumenPromMetrics(KVConnectorPromMetrics):
-    """`lumen:ckpt_requests_running` / `lumen:ckpt_requests_complete` (what lumend reads as
-    checkpoint coverage) and block counters, labelled like vLLM's own metrics."""
+    """`lumen_ckpt_requests_running` / `lumen_ckpt_requests_complete` (what lumend reads
+    as checkpoint coverage) and block counters `lumen_ckpt_*_total`, labelled like vLLM's
+    own metrics; each also under its deprecated 0.1 name `lumen:ckpt_*` (metric_names)."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
@@ -545,20 +552,26 @@ class LumenPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         gauge: Any = self._gauge_cls
         counter: Any = self._counter_cls
+
+        def named(make: Any, name: str, documentation: str, **kw: Any) -> list[dict[int, Any]]:
+            return [self._per_engine(make(name=name, labelnames=labelnames,
+                                          documentation=documentation, **kw)),
+                    self._per_engine(make(name=deprecated(name), labelnames=labelnames,
+                                          documentation=f"Deprecated: use {name}.", **kw))]
+
         self._gauges = {
-            "ckpt_running": self._per_engine(gauge(
-                name="lumen:ckpt_requests_running", labelnames=labelnames,
-                documentation="Requests in this engine with a LUMEN checkpoint plan.",
-                multiprocess_mode="mostrecent")),
-            "ckpt_complete": self._per_engine(gauge(
-                name="lumen:ckpt_requests_complete", labelnames=labelnames,
-                documentation="Of those, requests whose checkpoint lost no block so far.",
-                multiprocess_mode="mostrecent")),
+            "ckpt_running": named(
+                gauge, CKPT_REQUESTS_RUNNING,
+                "Requests in this engine with a LUMEN checkpoint plan.",
+                multiprocess_mode="mostrecent"),
+            "ckpt_complete": named(
+                gauge, CKPT_REQUESTS_COMPLETE,
+                "Of those, requests whose checkpoint lost no block so far.",
+                multiprocess_mode="mostrecent"),
         }
         self._counters = {
-            key: self._per_engine(counter(
-                name=f"lumen:ckpt_{key}", labelnames=labelnames,
-                documentation=f"LUMEN checkpoint {key.replace('_', ' ')}."))
+            key: named(counter, ckpt_counter(key),
+                       f"LUMEN checkpoint {key.replace('_', ' ')}.")
             for key in COUNTERS
         }
 
@@ -569,10 +582,12 @@ class LumenPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, gauges in self._gauges.items():
             if key in transfer_stats_data:
-                gauges[engine_idx].set(transfer_stats_data[key])
+                for gauge in gauges:
+                    gauge[engine_idx].set(transfer_stats_data[key])
         for key, counters in self._counters.items():
             if transfer_stats_data.get(key):
-                counters[engine_idx].inc(transfer_stats_data[key])
+                for counter in counters:
+                    counter[engine_idx].inc(transfer_stats_data[key])
 
 
 def _curve_kwargs() -> dict[str, Any]:

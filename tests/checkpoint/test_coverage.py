@@ -1,4 +1,4 @@
-"""Checkpoint coverage: engines export `lumen:ckpt_requests_running/complete`, lumend
+"""Checkpoint coverage: engines export `lumen_ckpt_requests_running/complete`, lumend
 carries them into the worker's etcd record, `lumenctl checkpoints` shows the share of
 running requests with a complete checkpoint (unknown, not 0, for an engine without them)."""
 
@@ -41,9 +41,19 @@ def test_parse_load_reads_the_coverage_gauges_or_leaves_them_unknown() -> None:
     assert (old.running, old.waiting, old.kv_usage) == (3, 1, 0.25)
     assert (old.ckpt_running, old.ckpt_complete) == (None, None)
 
-    new = parse_load(VLLM_METRICS + 'lumen:ckpt_requests_running{model_name="m"} 3\n'
-                     'lumen:ckpt_requests_complete{model_name="m"} 0\n')
+    new = parse_load(VLLM_METRICS + 'lumen_ckpt_requests_running{model_name="m"} 3\n'
+                     'lumen_ckpt_requests_complete{model_name="m"} 0\n')
     assert (new.ckpt_running, new.ckpt_complete) == (3, 0)  # known and 0: not unknown
+    # An engine of release 0.1 exports only the deprecated names; one of this release
+    # both, and the current names win.
+    older = parse_load(VLLM_METRICS + 'lumen:ckpt_requests_running{model_name="m"} 2\n'
+                       'lumen:ckpt_requests_complete{model_name="m"} 1\n')
+    assert (older.ckpt_running, older.ckpt_complete) == (2, 1)
+    both = parse_load(VLLM_METRICS + 'lumen_ckpt_requests_running{model_name="m"} 3\n'
+                      'lumen_ckpt_requests_complete{model_name="m"} 2\n'
+                      'lumen:ckpt_requests_running{model_name="m"} 3\n'
+                      'lumen:ckpt_requests_complete{model_name="m"} 2\n')
+    assert (both.ckpt_running, both.ckpt_complete) == (3, 2)
 
 
 # -- the report ---------------------------------------------------------------------------

@@ -62,6 +62,8 @@ def test_a_node_holds_checkpoints_and_publishes_them(cluster: LocalCluster) -> N
         assert record.checkpoints.budget_bytes == config.checkpoint.budget_bytes  # type: ignore[attr-defined]
 
         metrics = scrape(f"http://{config.metrics.listen}/metrics")
+        assert f'lumen_ckpt_held_bytes{{worker="{worker}"}} {3.0 * PAGE}' in metrics
+        # The 0.1 name, a deprecated alias for one release.
         assert f'lumen_ckpt_bytes_held{{worker="{worker}"}} {3.0 * PAGE}' in metrics
         assert f'lumen_ckpt_requests{{worker="{worker}"}} 1.0' in metrics
         assert f'lumen_ckpt_evictions_total{{worker="{worker}"}} 0.0' in metrics

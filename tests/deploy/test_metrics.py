@@ -18,8 +18,8 @@ from lumenctl.localcluster import EtcdCluster
 from .conftest import Lumend, metric_value, wait_until
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "lumen.json"
-# Metric names in PromQL: ours (lumend's lumen_*, the engines' lumen:*), and the process
-# metrics prometheus_client adds.
+# Metric names in PromQL: ours (lumend's lumen_*, the engines' lumen_ckpt_*; lumen:* only
+# to catch the deprecated 0.1 names), and the process metrics prometheus_client adds.
 METRIC_NAME = re.compile(r"\b((?:lumen|process|python)[_:][a-zA-Z0-9_:]+)\b")
 
 
@@ -130,30 +130,40 @@ def test_dashboard_queries_name_only_exported_metrics(
     assert sample_value(follower, "lumen_ckpt_budget_bytes", {"worker": "m2-w0"}) > 0
     assert metric_value(follower, "lumen_agent_stale_epoch_refused_total") == 0
 
-    # Every name a panel queries is a series lumend exports, or for the engine panels
-    # (lumen:*) one that the engines' own /metrics export.
-    engines = {name for name in sample_names(engine_scrape(second)) if name.startswith("lumen:")}
+    # Every name a panel queries is a series lumend exports, or for the engine panels one
+    # that the engines' own /metrics export.
+    engine = engine_scrape(second)
+    engines = {name for name in sample_names(engine) if name.startswith("lumen")}
+    # The renamed metrics are exported under their deprecated 0.1 names too, same values.
+    for new, old in (("lumen_ckpt_requests_running", "lumen:ckpt_requests_running"),
+                     ("lumen_ckpt_requests_complete", "lumen:ckpt_requests_complete")):
+        assert sample_value(engine, new, {}) == sample_value(engine, old, {}), (new, old)
+    assert sample_value(follower, "lumen_ckpt_held_bytes", {"worker": "m2-w0"}) == \
+        sample_value(follower, "lumen_ckpt_bytes_held", {"worker": "m2-w0"})
     exported = sample_names(leader) | sample_names(follower) | engines
     dashboard = json.loads(DASHBOARD.read_text())
     queries = list(dashboard_queries(dashboard))
     assert len(queries) >= 40
     assert unknown_metrics(dashboard, exported) == []
     queried = {name for _, expr in queries for name in METRIC_NAME.findall(expr)}
-    assert {"lumen_ckpt_bytes_held", "lumen_ckpt_refusals_total", "lumen_gateway_degraded_total",
+    assert {"lumen_ckpt_held_bytes", "lumen_ckpt_refusals_total", "lumen_gateway_degraded_total",
             "lumen_agent_stale_epoch_refused_total", "lumen_coordinator_decisions_total",
-            "lumen:ckpt_requests_complete", "lumen_gateway_ttft_seconds_bucket",
+            "lumen_ckpt_requests_complete", "lumen_gateway_ttft_seconds_bucket",
             "lumen_gateway_recovery_seconds_bucket"} <= queried
+    # The dashboard queries no deprecated name (nothing with a colon, nothing without a
+    # unit suffix where the 0.1 name lacked one).
+    assert [name for name in queried if ":" in name or name == "lumen_ckpt_bytes_held"] == []
 
     # Negative controls: a misspelt metric and a query without any metric are reported.
     broken = json.loads(DASHBOARD.read_text())
     broken["panels"][1]["targets"][0]["expr"] = "sum(lumen_node_registred)"
     broken["panels"][2]["targets"][0]["expr"] = "vector(1)"
     coverage = next(p for p in broken["panels"] if p["title"] == "Checkpoint coverage (engines)")
-    coverage["targets"][0]["expr"] = "sum(lumen:ckpt_requests_completed)"
+    coverage["targets"][0]["expr"] = "sum(lumen_ckpt_requests_completed)"
     assert unknown_metrics(broken, exported) == [
         "panel 'Nodes registered' target A: lumen_node_registred is not exported",
         "panel 'Nodes ready' target A: names no metric: vector(1)",
-        "panel 'Checkpoint coverage (engines)' target A: lumen:ckpt_requests_completed is not "
+        "panel 'Checkpoint coverage (engines)' target A: lumen_ckpt_requests_completed is not "
         "exported",
     ]
 

@@ -172,3 +172,12 @@ def test_every_rule_evaluates_against_a_live_lumend(
     while not selects("LumenGatewayOpen"):
         assert time.monotonic() < deadline, "LumenGatewayOpen selected nothing"
         time.sleep(0.5)
+
+
+def test_the_rules_name_no_deprecated_metric() -> None:
+    """The 0.1 names (engine-side lumen:ckpt_*, lumen_ckpt_bytes_held) are aliases for one
+    release; the shipped rules use the current names."""
+    exprs = " ".join(str(rule["expr"]) for rule in rules())
+    assert "lumen:" not in exprs
+    assert "lumen_ckpt_bytes_held" not in series_names(exprs)
+    assert "lumen_ckpt_held_bytes" in series_names(exprs)

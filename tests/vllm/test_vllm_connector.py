@@ -199,9 +199,9 @@ def test_resume_from_streamed_blocks_continues_with_the_same_tokens(
     hits = b.metric("vllm:external_prefix_cache_hits_total") - hits_before
     assert hits == blocks * BLOCK, f"B loaded {hits} tokens, not {blocks * BLOCK}"
     assert continued == baseline[RESUME_AFTER:], "the resumed request must continue as before"
-    assert b.metric("lumen:ckpt_blocks_loaded_total") == blocks
+    assert b.metric("lumen_ckpt_blocks_loaded_total") == blocks
     # Coverage gauges (what lumend reads): B's one request had a complete checkpoint.
-    assert b.metric("lumen:ckpt_requests_complete") <= b.metric("lumen:ckpt_requests_running")
+    assert b.metric("lumen_ckpt_requests_complete") <= b.metric("lumen_ckpt_requests_running")
     deadline = time.monotonic() + 10
     while held_blocks(holder, "c1"):  # B finished the request: its checkpoint is freed
         assert time.monotonic() < deadline, "the finished request's checkpoint was not freed"

@@ -389,8 +389,8 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
                 assert got.logprob_tokens == ref.logprob_tokens > 0, case.name
         chunky = max(len(r.token_ids) / max(1, r.chunks) for r in results)
         assert chunky > 1.0, "no chunk carried several tokens: speculative decoding was off"
-        loaded = (engine_metric(after, "lumen:ckpt_blocks_loaded_total")
-                  - engine_metric(before[survivor], "lumen:ckpt_blocks_loaded_total"))
+        loaded = (engine_metric(after, "lumen_ckpt_blocks_loaded_total")
+                  - engine_metric(before[survivor], "lumen_ckpt_blocks_loaded_total"))
         assert loaded > 0, "no resumed request loaded its KV checkpoint on the survivor"
         counted = lumenctl(etcd, "status")
         assert counted  # the cluster still answers after the kill
