@@ -907,9 +907,24 @@ def _check_worker(table: _Table) -> _Worker:
             table.problem(key, model, f"a sim worker's draft_model names a sim drafter: "
                           f"{drafts} (or leave it out: no draft-assist)")
     args = table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str) or []
+    _check_served_name(table, args)
     _check_engine_budget_and_assist(table, engine, args)
     port = table.integer("port", "8100", 1, 65535, required=True)
     return _Worker(table, name, gpus, _engine_ports(table, port, shadows))
+
+
+def _check_served_name(table: _Table, args: list[str]) -> None:
+    """An engine must serve under the worker's `model`: the gateway routes a request to the
+    workers whose model is the request's `model`, lists those names in /v1/models and sends
+    them on to the engine, and checkpoints and drafts are matched by the same name. A
+    --served-model-name would make the engine refuse every request the gateway sends it."""
+    own = next((a for a in args if a == "--served-model-name"
+                or a.startswith("--served-model-name=")), None)
+    if own is not None:
+        table.problem("args", args, f"{own} is not supported: LUMEN routes requests by the "
+                      "worker's model, and the engine must serve under that name; remove it "
+                      "from args and set the worker's model to the name clients should send "
+                      "(the engine loads it: a Hugging Face id, or a directory of that path)")
 
 
 def _check_engine_budget_and_assist(table: _Table, engine: str | None, args: list[str]) -> None:
