@@ -3,6 +3,7 @@ parse warnings) and `systemd-analyze security --offline=true` under a stated thr
 
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import subprocess
@@ -80,3 +81,39 @@ def test_unit_settings_the_design_relies_on() -> None:
     assert not any(line.startswith(("Requires=", "BindsTo=")) for line in lines)
     assert not any(line.startswith(("PrivateDevices=", "MemoryDenyWriteExecute=",
                                     "DevicePolicy=")) for line in lines)
+
+
+def seconds(unit_text: str, key: str) -> float:
+    match = re.search(rf"^{key}=(\d+)s$", unit_text, flags=re.M)
+    assert match, key
+    return float(match.group(1))
+
+
+def test_the_stop_and_watchdog_comments_hold_for_the_code() -> None:
+    """The numbers the unit's comments give are the code's defaults, and the two timeouts
+    cover the bounds the comments state (TimeoutStopSec: drain_s + the engines' stop grace +
+    two etcd retry budgets; WatchdogSec: one retry budget + the HA loop's longest backoff)."""
+    from lumend.cluster import agent
+    from lumend.cluster.store import EtcdStore
+    from lumend.config import EtcdSection, GatewaySection
+    from lumend.failover.supervisor import SupervisorTiming
+
+    text = UNIT.read_text()
+    comments = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    drain_s = GatewaySection().drain_s
+    grace_s = SupervisorTiming().stop_grace_s
+    request_s = EtcdSection(endpoints=["http://a:2379"]).request_timeout_s
+    budget_s = EtcdStore(["http://a:2379", "http://b:2379", "http://c:2379"],
+                         request_timeout_s=request_s)._budget
+    # The HA loop's backoff after a failed cycle, as its run() makes it: (first, cap).
+    backoff = re.search(r"_Backoff\(([\d.]+), ([\d.]+)\)", inspect.getsource(agent))
+    assert backoff, "the HA loop's backoff"
+    longest_backoff_s = float(backoff.group(2))
+    assert f"drain_s ({drain_s:g} s)" in comments
+    assert f"{grace_s:g} s later, SIGKILL" in comments
+    assert f"{budget_s:g} s with the default {request_s:g} s and 3 endpoints" in comments
+    assert f"waits at most {longest_backoff_s:g} s" in comments
+    assert seconds(text, "TimeoutStopSec") > drain_s + grace_s + 2 * budget_s
+    watchdog_s = seconds(text, "WatchdogSec")
+    assert watchdog_s > budget_s + longest_backoff_s
+    assert f"WATCHDOG=1 every {watchdog_s / 2:g} s" in comments  # notify.py: half of it
