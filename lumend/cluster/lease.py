@@ -132,6 +132,16 @@ class LeaseKeeper:
         of its last failed keepalive, once), and answers its ping."""
         if self._thread is not None and self._thread.is_alive():
             self._pong()
+            if self.lease_id is not None and self.seconds_since_renewal() > self.ttl_s:
+                # etcd has let it expire by now (or will, unrenewed): re-register with a new
+                # lease rather than wait for a keepalive to come back and say so, which a
+                # wedged call never does. Safe if it still lives: nothing renews it, and
+                # the coordinator key it may carry is not ours under a new lease.
+                log.warning("lease %x not renewed for %.1f s (ttl %d s): taken as expired; "
+                            "this node re-registers with a new lease", self.lease_id,
+                            self.seconds_since_renewal(), self.ttl_s)
+                self._forget_id()
+                return False
             error, self._thread_error = self._thread_error, None
             if error is not None:
                 raise error

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from lumend.cluster.channels import CHANNEL_OPTIONS, ChannelPool, Lease
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -315,8 +317,11 @@ class EtcdStore:
             else request_timeout_s * max(2, len(self._specs))
         )
         self._tls = tls or TlsFiles()
-        self._clients: dict[int, Any] = {}
+        self._channels = ChannelPool(self._new_client)
         self._current = 0
+        # A call whose thread has not returned this long after its deadline is abandoned
+        # (a wedged grpc call must not wedge the HA loop or the lease renewal with it).
+        self._abandon_after_s = 4 * request_timeout_s + 1.0
 
     @property
     def endpoints(self) -> list[str]:
@@ -324,22 +329,17 @@ class EtcdStore:
 
     # -- plumbing -------------------------------------------------------------------------
 
-    def _client(self, index: int) -> Any:
-        client = self._clients.get(index)
-        if client is None:
-            import pyetcd  # deferred: keeps `import lumend` light
+    def _new_client(self, index: int) -> Any:
+        import pyetcd  # deferred: keeps `import lumend` light
 
-            spec = self._specs[index]
-            creds = None
-            if spec.secure:
-                creds = self._secure_creds(spec.url)
-            # time_retry=0: never let the library park an endpoint; rotation is ours.
-            endpoint = pyetcd.Endpoint(
-                spec.host, spec.port, secure=spec.secure, creds=creds, time_retry=0.0
-            )
-            client = pyetcd.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=self._timeout)
-            self._clients[index] = client
-        return client
+        spec = self._specs[index]
+        creds = None
+        if spec.secure:
+            creds = self._secure_creds(spec.url)
+        # time_retry=0: never let the library park an endpoint; rotation is ours.
+        endpoint = pyetcd.Endpoint(spec.host, spec.port, secure=spec.secure, creds=creds,
+                                   time_retry=0.0, opts=list(CHANNEL_OPTIONS))
+        return pyetcd.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=self._timeout)
 
     def _secure_creds(self, url: str) -> Any:
         import pyetcd
@@ -359,14 +359,6 @@ class EtcdStore:
                 f"cannot read the etcd TLS file {exc.filename}: {exc.strerror}; fix [etcd] "
                 "ca_cert, cert and key (lumenctl --ca-cert, --cert, --key)"
             ) from exc
-
-    def _drop_client(self, index: int) -> None:
-        client = self._clients.pop(index, None)
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing a broken channel must not mask the real error
-                log.debug("closing etcd client for %s failed", self._specs[index].url)
 
     async def _call(self, what: str, fn: Callable[[Any], T], *, idempotent: bool = True) -> T:
         """Run `fn(client)` with endpoint rotation. A call that is not `idempotent` is not
@@ -390,27 +382,26 @@ class EtcdStore:
             index = self._current
             attempts += 1
             try:
-                client = self._client(index)
+                with self._channels.lend(index) as lease:
+                    try:
+                        return await self._in_thread(fn, lease)
+                    except grpc.RpcError as exc:
+                        if exc.code() not in _TRANSIENT_CODES:
+                            raise StoreError(f"etcd {what}: {_describe(exc)}") from exc
+                        last = f"{self._specs[index].url}: {_describe(exc)}"
+                        if not idempotent and not _surely_unsent(exc):
+                            self._rotate(lease)
+                            raise CommitUnknown(what, self._specs[index].url, last) from exc
+                    except (*transient, _Abandoned) as exc:
+                        last = f"{self._specs[index].url}: {_describe(exc)}"
+                        log.debug("etcd %s failed on %s (attempt %d)", what, last, attempts)
+                        if not idempotent and not _surely_unsent(exc):
+                            self._rotate(lease)
+                            raise CommitUnknown(what, self._specs[index].url, last) from exc
+                    self._rotate(lease)
             except transient as exc:  # the channel could not even be made: nothing was sent
-                client = None
                 last = f"{self._specs[index].url}: {_describe(exc)}"
-            if client is not None:
-                try:
-                    return await asyncio.to_thread(fn, client)
-                except grpc.RpcError as exc:
-                    if exc.code() not in _TRANSIENT_CODES:
-                        raise StoreError(f"etcd {what}: {_describe(exc)}") from exc
-                    last = f"{self._specs[index].url}: {_describe(exc)}"
-                    if not idempotent and not _surely_unsent(exc):
-                        self._rotate(index)
-                        raise CommitUnknown(what, self._specs[index].url, last) from exc
-                except transient as exc:
-                    last = f"{self._specs[index].url}: {_describe(exc)}"
-                    log.debug("etcd %s failed on %s (attempt %d)", what, last, attempts)
-                    if not idempotent and not _surely_unsent(exc):
-                        self._rotate(index)
-                        raise CommitUnknown(what, self._specs[index].url, last) from exc
-            self._rotate(index)
+                self._current = (index + 1) % len(self._specs)
             elapsed = time.monotonic() - started
             if elapsed >= self._budget:
                 raise StoreUnavailable(self.endpoints, attempts, elapsed, last)
@@ -418,9 +409,24 @@ class EtcdStore:
                 # Every endpoint failed once this round: pause before the next round.
                 await asyncio.sleep(min(0.2 * attempts, 1.0, self._budget - elapsed))
 
-    def _rotate(self, index: int) -> None:
-        self._drop_client(index)
-        self._current = (index + 1) % len(self._specs)
+    async def _in_thread(self, fn: Callable[[Any], T], lease: Lease) -> T:
+        """`fn(client)` in a worker thread. A thread that has not returned long after its
+        deadline is abandoned with its channel (`_Abandoned`, a transient failure)."""
+        call = asyncio.ensure_future(asyncio.to_thread(fn, lease.client))
+        done, _ = await asyncio.wait({call}, timeout=self._abandon_after_s)
+        if call in done:
+            return call.result()
+        call.add_done_callback(_quiet)
+        self._channels.abandon(lease)
+        log.error("an etcd call on %s did not return %.0f s after its deadline; its channel "
+                  "is abandoned", self._specs[lease.index].url, self._abandon_after_s)
+        raise _Abandoned(f"no answer within {self._abandon_after_s:.0f} s (call abandoned)")
+
+    def _rotate(self, lease: Lease) -> None:
+        """Retire the channel a call failed on (a fresh one, a fresh connection, replaces
+        it) and move on to the next endpoint."""
+        self._channels.retire(lease)
+        self._current = (lease.index + 1) % len(self._specs)
 
     # -- Store ----------------------------------------------------------------------------
 
@@ -600,8 +606,17 @@ class EtcdStore:
                 raise
 
     async def close(self) -> None:
-        for index in list(self._clients):
-            self._drop_client(index)
+        await asyncio.to_thread(self._channels.drain, 2.0)
+
+
+class _Abandoned(Exception):
+    """A call's thread did not return long after its deadline (see `EtcdStore._in_thread`)."""
+
+
+def _quiet(call: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned call's outcome whenever it comes, so none is logged as lost."""
+    if not call.cancelled():
+        call.exception()
 
 
 def _txn_op(t: Any, o: Op) -> Any:

@@ -235,10 +235,12 @@ def lab_cluster(workdir: Path, etcd_members: int) -> Iterator[tuple[NetLab, Clus
         lab.close()
 
 
-def coordinator_cut_off_from_etcd(workdir: Path) -> Row:
+def coordinator_cut_off_from_etcd(workdir: Path, hold_s: float = 30.0) -> Row:
     """The coordinator's node loses etcd (a black hole, its peers still reachable). Its term
     must end (it stops answering Admit) and another node must be elected; streams through
-    another node's gateway go on. Then the network heals and it rejoins as a follower."""
+    another node's gateway go on. Then, after at least `hold_s` (an outage long enough for
+    connection backoff to grow: a node once froze for good after one of 60-90 s), the network
+    heals and it must rejoin as a follower."""
     row = Row("coordinator's node black-holed from etcd")
     with lab_cluster(workdir, etcd_members=1) as (lab, cluster):
         view = cluster.wait(cluster.settled, 90, "3 nodes settled")
@@ -263,10 +265,14 @@ def coordinator_cut_off_from_etcd(workdir: Path) -> Row:
                 if not await old_coordinator_refuses(old):
                     row.notes.append("THE OLD COORDINATOR STILL ANSWERS ADMIT")
                 await load.finish(row)
+                await asyncio.sleep(max(0.0, hold_s - (time.monotonic() - fault)))
                 for member in cluster.etcd:
                     lab.heal(old.host, member.host)
+                healed = time.monotonic()
                 await asyncio.to_thread(cluster.wait, cluster.settled, 60,
                                         "the old coordinator back as a follower")
+                row.notes.append(f"old coordinator back {time.monotonic() - healed:.1f} s "
+                                 "after the heal")
 
         asyncio.run(run())
         row.etcd_db_bytes = cluster.db_bytes()

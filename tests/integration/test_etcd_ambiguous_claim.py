@@ -79,8 +79,8 @@ class FlakyStore(EtcdStore):
         self.lost = 0  # answers lost (only ever the first claim's)
         self.sent: list[bool] = []  # claims that reached etcd: did each succeed
 
-    def _client(self, index: int) -> Any:
-        return LostAnswer(super()._client(index), self)
+    def _new_client(self, index: int) -> Any:
+        return LostAnswer(super()._new_client(index), self)
 
 
 async def kinds(store: EtcdStore) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from lumend.cluster.lease import LeaseKeeper
 
 
@@ -25,3 +27,39 @@ def test_confidence_ends_a_margin_before_the_lease_can_expire() -> None:
     assert not keeper.confident()
     keeper.forget()
     assert not keeper.held and not keeper.confident()
+
+
+class WedgedStore:
+    """A store whose keepalive never answers (a grpc call wedged in its thread)."""
+
+    def __init__(self) -> None:
+        self.keepalives = 0
+
+    async def keepalive(self, lease: int) -> int:
+        self.keepalives += 1
+        await asyncio.sleep(3600)
+        return 0
+
+
+def test_a_lease_unrenewed_past_its_ttl_is_given_up_even_if_no_keepalive_answers() -> None:
+    clock = Clock()
+    store = WedgedStore()
+    keeper = LeaseKeeper(store, ttl_s=3, clock=clock, renew_in_thread=True)  # type: ignore[arg-type]
+
+    async def scenario() -> list[bool]:
+        keeper.lease_id, keeper._renewed_at = 7, clock.now
+        keeper._start_thread(asyncio.get_running_loop())
+        try:
+            for _ in range(50):  # the thread's first keepalive is sent, and never returns
+                if store.keepalives:
+                    break
+                await asyncio.sleep(0.01)
+            outcomes = [await keeper.renew()]  # within the ttl: still held
+            clock.now += 3.5
+            outcomes.append(await keeper.renew())
+            return outcomes
+        finally:
+            keeper._closing.set()
+
+    assert asyncio.run(scenario()) == [True, False]
+    assert store.keepalives == 1 and not keeper.held  # the agent then grants a new lease
