@@ -75,6 +75,18 @@ class CreateRevisionIs:
 
 
 @dataclass(frozen=True)
+class ModRevisionIs:
+    """Compare: the key's last modification is at `revision` (0 means the key is absent):
+    a read-modify-write conditional on nothing having written the key since the read."""
+
+    key: str
+    revision: int
+
+
+Compare = CreateRevisionIs | ModRevisionIs
+
+
+@dataclass(frozen=True)
 class Put:
     key: str
     value: bytes
@@ -222,7 +234,7 @@ class Store(Protocol):
 
     async def txn(
         self,
-        compares: Sequence[CreateRevisionIs],
+        compares: Sequence[Compare],
         success: Sequence[Op],
         read_on_failure: Sequence[str] = (),
         *,
@@ -479,7 +491,7 @@ class EtcdStore:
 
     async def txn(
         self,
-        compares: Sequence[CreateRevisionIs],
+        compares: Sequence[Compare],
         success: Sequence[Op],
         read_on_failure: Sequence[str] = (),
         *,
@@ -494,7 +506,8 @@ class EtcdStore:
 
         def op(c: Any) -> TxnResult:
             t = c.transactions
-            compare = [t.create(cmp.key) == cmp.revision for cmp in compares]
+            compare = [(t.create(cmp.key) if isinstance(cmp, CreateRevisionIs)
+                        else t.mod(cmp.key)) == cmp.revision for cmp in compares]
             ops = [_txn_op(t, o) for o in success]
             failure = [t.get(k) for k in read_on_failure]
             succeeded, responses = c.transaction(compare=compare, success=ops, failure=failure)

@@ -19,7 +19,7 @@ import pyetcd.exceptions as etcd_errors
 import pytest
 
 from lumenctl.localcluster import EtcdCluster
-from lumend.cluster.store import EtcdStore, StoreUnavailable
+from lumend.cluster.store import EtcdStore, ModRevisionIs, Put, StoreUnavailable
 
 pytestmark = pytest.mark.etcd
 
@@ -102,3 +102,27 @@ def test_every_channel_is_closed_once_its_calls_are_done(etcd: EtcdCluster) -> N
     made, closed, abandoned = asyncio.run(scenario())
     assert made >= 4  # a fresh channel after every failure, one for the put
     assert (closed, abandoned) == (made, 0)
+
+
+def test_a_mod_revision_compare_refuses_a_write_after_another_write(etcd: EtcdCluster) -> None:
+    """The store's read-modify-write guard (`lumenctl config set` uses it)."""
+    async def scenario() -> tuple[bool, bool, bool, bytes | None]:
+        store = EtcdStore(etcd.endpoints)
+        try:
+            absent = await store.txn([ModRevisionIs("cfg", 0)], [Put("cfg", b"1")])
+            read = await store.get("cfg")
+            assert read is not None
+            await store.put("cfg", b"2")  # another writer, after our read
+            stale = await store.txn([ModRevisionIs("cfg", read.mod_revision)],
+                                    [Put("cfg", b"3")])
+            again = await store.get("cfg")
+            assert again is not None
+            fresh = await store.txn([ModRevisionIs("cfg", again.mod_revision)],
+                                    [Put("cfg", b"4")])
+            final = await store.get("cfg")
+            return (absent.succeeded, stale.succeeded, fresh.succeeded,
+                    None if final is None else final.value)
+        finally:
+            await store.close()
+
+    assert asyncio.run(scenario()) == (True, False, True, b"4")
