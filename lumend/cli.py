@@ -140,6 +140,13 @@ def run(
 ) -> None:
     """Run the node until SIGTERM or SIGINT (then resign and deregister); SIGHUP reloads the
     config. Under systemd (Type=notify) it reports readiness, status and watchdog pings."""
+    from lumend.gateway import eventloop
+
+    try:  # uvloop when installed, unless LUMEN_EVENT_LOOP=asyncio (lumend/gateway/eventloop.py)
+        loop = eventloop.choose()
+    except eventloop.LoopChoiceError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
     config = load_config_or_exit(config_path)
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
@@ -147,14 +154,8 @@ def run(
                    "error", err=True)
         raise typer.Exit(EXIT_CONFIG)
     from lumend.daemon import StartupError, run_node  # deferred: check-config stays light
-    from lumend.gateway import eventloop
     from lumend.notify import log_handler
 
-    try:  # uvloop when installed, unless LUMEN_EVENT_LOOP=asyncio (lumend/gateway/eventloop.py)
-        loop = eventloop.choose()
-    except eventloop.LoopChoiceError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(EXIT_CONFIG) from None
     logging.basicConfig(level=level, handlers=[log_handler(config.node.name)])
     logging.getLogger("lumend").info("event loop: %s (%s=asyncio or uvloop to choose)", loop,
                                      eventloop.ENV)
