@@ -27,13 +27,17 @@ ties go to the lowest index, so every decision is deterministic.
 mechanism switches (used for ablations: each LUMEN mechanism replaces its fixed-checkpoint
 counterpart).
 
-Cost-aware mode (`PolicyConfig.cost_aware`; the simulator's `lumen`, off by default for the
-coordinator until it feeds the columns below): decisions in seconds.
+Cost-aware mode (`PolicyConfig.cost_aware`; the simulator's `lumen`, and the coordinator's
+default, cluster setting `decisions = cost_aware`; `PolicyConfig()` itself keeps the paper's
+forms): decisions in seconds.
 
-* L_hat is seconds: `alpha` = 1 / restore bandwidth (s per held byte: the restore work a
-  holder faces), `beta` = seconds of work one queued request stands for (the simulator's
-  `lumend.sim.config.cost_policy` derives both from its cost model). Algorithm 1 is
-  unchanged over these units.
+* L_hat is seconds (`in_seconds`): `alpha` = 1 / restore bandwidth (s per held byte: the
+  restore work a holder faces), `beta` = seconds of work one queued request stands for, one
+  mean prompt's prefill (`MEAN_PROMPT_TOKENS` x prefill seconds per token). The simulator
+  (`lumend.sim.config.cost_policy`) takes the per-token costs from its cost model; the
+  coordinator, whose heartbeats carry request counts only, from `PolicyConfig`'s defaults
+  (the cost model in ONE place: `restore_bytes_per_s`, `recompute_s_per_token`,
+  `kv_bytes_per_token` below). Algorithm 1 is unchanged over these units.
 * Admission (`admission`): "lhat" (paper: argmin L_hat, checkpoint bytes included) or
   "queue" (join the shortest queue: held checkpoints cost no GPU time, so they do not
   unbalance serving). `least_loaded` admits and picks recompute targets by it.
@@ -54,11 +58,14 @@ import functools
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 GIB = float(1 << 30)
 ADMISSIONS = ("lhat", "queue")
+# Tokens of prefill one queued request stands for in cost-aware L_hat (beta): the mean prompt
+# of the conversation trace the simulator's scenarios run (lumend.sim.workload).
+MEAN_PROMPT_TOKENS = 1155.0
 
 
 class Mode(StrEnum):
@@ -89,6 +96,11 @@ class PolicyConfig:
     # Cost-aware decisions (module docstring); the defaults keep the paper's forms.
     cost_aware: bool = False
     admission: str = "lhat"                 # "lhat" (Eq. 4) or "queue" (shortest queue)
+    # The cost model a cost-aware decision uses where the caller measures nothing better (the
+    # coordinator today; the simulator replaces them with its cost model's, `cost_policy`):
+    # the simulator's default restore bandwidth (SimConfig.restore_bytes_per_s), and the
+    # paper-4w scenario's model as its cost model has it (Qwen3-32B on a100-tp4: a full
+    # 2048-token chunk's prefill 0.99e-4 s per token, 262144 KV bytes per token).
     restore_bytes_per_s: float = 25e9       # checkpoint pages host -> GPU at the holder
     recompute_s_per_token: float = 1e-4     # prefill seconds per token (a full chunk's)
     kv_bytes_per_token: float = 262144.0    # to turn a checkpointed prefix into bytes
@@ -176,6 +188,23 @@ class Route:
     resume: bool
 
 
+def in_seconds(cfg: PolicyConfig, mean_prompt_tokens: float = MEAN_PROMPT_TOKENS
+               ) -> PolicyConfig:
+    """`cfg` with L_hat in seconds from its own cost model: alpha = one held byte's restore
+    time (1 / `restore_bytes_per_s`), beta = one queued request's prefill (a mean prompt at
+    `recompute_s_per_token`). The simulator and the coordinator both derive them here."""
+    return replace(cfg, alpha=1.0 / cfg.restore_bytes_per_s,
+                   beta=mean_prompt_tokens * cfg.recompute_s_per_token)
+
+
+def queued_prefill_s(queue: int, running: int, cfg: PolicyConfig) -> float:
+    """`LoadSnapshot.work_s` of a worker known by request counts only (the coordinator's
+    and the gateways' views: heartbeats carry counts, not tokens): beta seconds (one mean
+    prompt's prefill, `in_seconds`) per request not yet running, `queue - running`. Running
+    requests have had their prefill (the simulator's queued work leaves them out too)."""
+    return cfg.beta * max(0, queue - running)
+
+
 def load_hat(snapshot: LoadSnapshot, worker: int, cfg: PolicyConfig) -> float:
     return cfg.alpha * snapshot.ckpt_bytes[worker] + cfg.beta * snapshot.queue[worker]
 
@@ -207,8 +236,13 @@ def least_loaded(snapshot: LoadSnapshot, cfg: PolicyConfig) -> int | None:
 
 def queues(snapshot: LoadSnapshot) -> list[float]:
     """Queue length of every worker as a float; dead workers get +inf."""
-    return [float(q) if ok else math.inf
-            for q, ok in zip(snapshot.queue, snapshot.alive, strict=True)]
+    # map() keeps this in C, as `loads`: the coordinator calls it for every admission.
+    values = list(map(float, snapshot.queue))
+    if not all(snapshot.alive):
+        for i, ok in enumerate(snapshot.alive):
+            if not ok:
+                values[i] = math.inf
+    return values
 
 
 def work(snapshot: LoadSnapshot, cfg: PolicyConfig) -> list[float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from lumend.coordinator.policy import GIB, Mode, PolicyConfig
+from lumend.coordinator.policy import GIB, MEAN_PROMPT_TOKENS, Mode, PolicyConfig, in_seconds
 
 
 class FaultKind(StrEnum):
@@ -168,14 +168,14 @@ def cost_policy(cfg: SimConfig, pol: PolicyConfig) -> PolicyConfig:
 
     cost = load_cost_model(cfg.model, cfg.gpu)
     per_token = cost.step_time(cfg.chunk_tokens, 0, 0) / cfg.chunk_tokens
-    return replace(pol, alpha=1.0 / cfg.restore_bytes_per_s, beta=MEAN_PROMPT * per_token,
-                   restore_bytes_per_s=cfg.restore_bytes_per_s,
-                   recompute_s_per_token=per_token,
-                   kv_bytes_per_token=float(cost.model.kv_bytes_per_token),
-                   block_tokens=cfg.block_tokens)
+    # alpha and beta from these costs as the coordinator derives its own (policy.in_seconds).
+    return in_seconds(replace(pol, restore_bytes_per_s=cfg.restore_bytes_per_s,
+                              recompute_s_per_token=per_token,
+                              kv_bytes_per_token=float(cost.model.kv_bytes_per_token),
+                              block_tokens=cfg.block_tokens), MEAN_PROMPT)
 
 
-MEAN_PROMPT = 1155.0  # tokens (the conversation trace's mean prompt)
+MEAN_PROMPT = MEAN_PROMPT_TOKENS  # tokens (the conversation trace's mean prompt)
 
 
 def named_policy(name: str, base: PolicyConfig) -> PolicyConfig:
