@@ -111,6 +111,9 @@ class Intent(msgspec.Struct, frozen=True, kw_only=True):
 
 
 PolicyMode = Literal["lumen", "fixed_checkpoint", "stop_and_restart"]
+# How decisions are made (lumend.coordinator.settings): in seconds from the cost model, with
+# admission to the shortest queue (the default), or the paper's Algorithms 1-3 as published.
+Decisions = Literal["cost_aware", "paper"]
 
 
 class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -123,6 +126,8 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     theta: float = 48.0  # a holder above this L_hat is overloaded for resumption
     tau: int = 64  # a checkpointed prefix longer than this many blocks resumes regardless
     mode: PolicyMode = "lumen"
+    # cost_aware: alpha, beta, theta and tau are not used (the cost model's seconds instead).
+    decisions: Decisions = "cost_aware"
 
 
 class AssistAssignment(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,10 @@ What it keeps, and the column a decision reads:
 * bytes reported per checkpoint and their sum per holder;
 * per view: workers in name order, the heartbeat's queue and bytes, eligibility, budgets,
   nodes, the policy config, and the two live columns `queue = max(heartbeat, count here)`
-  and `ckpt = max(heartbeat bytes, bytes reported)`, updated in place per change.
+  and `ckpt = max(heartbeat bytes, bytes reported)`, updated in place per change; with
+  cost-aware decisions a third, `work` (seconds of queued prefill, `LoadSnapshot.work_s`,
+  `policy.queued_prefill_s`): beta x the requests not yet running, `queue - heartbeat
+  running` (requests admitted since the last heartbeat count as waiting).
 
 Entries leave on Finish, and also expire (issue 14 item 6): when the node whose gateway
 admitted them is gone from the view or restarted (another `started_at`), and after
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 
 from lumend.cluster.models import WorkerRecord
 from lumend.cluster.view import ClusterView
-from lumend.coordinator.policy import LoadSnapshot, PolicyConfig, load_hat
+from lumend.coordinator.policy import LoadSnapshot, PolicyConfig, load_hat, queued_prefill_s
 from lumend.coordinator.settings import policy_config
 from lumend.rpc.messages import CheckpointProgress, CheckpointRef, Target
 
@@ -78,11 +81,14 @@ class Columns:
     budget: tuple[float, ...]
     eligible: tuple[bool, ...]
     hb_queue: list[int]
+    hb_running: list[int]
     hb_bytes: list[int]
     held: list[int]  # live: bytes reported here
     queue: list[int]  # live: max(heartbeat running + waiting, admitted here)
     ckpt: list[float]  # live: float(max(heartbeat bytes held, bytes reported here))
     cfg: PolicyConfig
+    # live, cost-aware only: beta * (queue - heartbeat running), seconds of queued prefill
+    work: list[float] | None = None
     # live, built on first use: per serving worker, its checkpoints placed on each worker
     spread: dict[str, list[int]] = field(default_factory=dict)
     _by_model: dict[str | None, tuple[bool, ...]] = field(default_factory=dict)
@@ -224,7 +230,9 @@ class LoadBook:
         if cols is not None:
             i = cols.index.get(worker)
             if i is not None:
-                cols.queue[i] = max(cols.hb_queue[i], self._queued[worker])
+                q = cols.queue[i] = max(cols.hb_queue[i], self._queued[worker])
+                if cols.work is not None:
+                    cols.work[i] = queued_prefill_s(q, cols.hb_running[i], cols.cfg)
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -259,26 +267,30 @@ class LoadBook:
             return cols
         self.expire(view)
         workers = sorted(view.workers.values(), key=lambda w: w.name)
+        hb_running = [w.load.running for w in workers]
         hb_queue = [w.load.running + w.load.waiting for w in workers]
         hb_bytes = [w.checkpoints.bytes_held for w in workers]
         queued = self._queued
         held = [self._held_bytes[w.name] for w in workers]
+        cfg = policy_config(view.settings)
+        queue = [max(q, queued[w.name]) for q, w in zip(hb_queue, workers, strict=True)]
+        work = ([queued_prefill_s(q, r, cfg) for q, r in zip(queue, hb_running, strict=True)]
+                if cfg.cost_aware else None)
         cols = Columns(
             view=view, workers=workers, index={w.name: i for i, w in enumerate(workers)},
             nodes=tuple(w.node for w in workers),
             budget=tuple(float(w.checkpoints.budget_bytes) for w in workers),
             eligible=tuple(self._eligible(view, w) for w in workers),
-            hb_queue=hb_queue, hb_bytes=hb_bytes, held=held,
-            queue=[max(q, queued[w.name]) for q, w in zip(hb_queue, workers, strict=True)],
-            ckpt=list(map(float, map(max, hb_bytes, held))),
-            cfg=policy_config(view.settings))
+            hb_queue=hb_queue, hb_running=hb_running, hb_bytes=hb_bytes, held=held,
+            queue=queue, ckpt=list(map(float, map(max, hb_bytes, held))), cfg=cfg, work=work)
         self._cols = cols
         return cols
 
     def table(self, cols: Columns, alive: Sequence[bool]) -> Table:
         return Table(cols.workers, LoadSnapshot(nodes=cols.nodes, ckpt_bytes=cols.ckpt,
                                                 queue=cols.queue, budget_bytes=cols.budget,
-                                                alive=alive), cols.cfg, cols.index)
+                                                alive=alive, work_s=cols.work),
+                     cols.cfg, cols.index)
 
     def holders_table(self, cols: Columns, serving: int) -> Table:
         """The holders' table for a checkpoint of `serving`: its queue one longer (the

@@ -13,7 +13,10 @@ rebuilds from etcd and the holders alone; a gateway that outlives a coordinator 
 request's placement along in `Recover`.
 
 Policy settings come from the view (etcd `config`), so a `lumenctl config set` applies from
-the next cycle. Decisions are the pure functions of lumend.coordinator.policy.
+the next cycle. Decisions are the pure functions of lumend.coordinator.policy: by default
+cost-aware (`decisions = cost_aware`: admission to the shortest queue, so checkpoint bytes
+held are not serving load; placement and recovery in seconds, lumend.coordinator.settings),
+or the paper's L_hat forms (`decisions = paper`).
 
 Every recovery decision also goes into the failed worker's recovery plan
 (`recovery/<worker>`, lumend.coordinator.plans), written by the next HA cycle with the
@@ -22,6 +25,7 @@ coordinator's other epoch-guarded writes (`lead_ops`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -52,7 +56,9 @@ from lumend.coordinator.loadbook import (
 )
 from lumend.coordinator.plans import RETAIN_S, STALE_S, advance, new_plan, with_decision
 from lumend.coordinator.policy import (
+    Mode,
     assist_target,
+    completion_estimates,
     least_loaded,
     place_checkpoint,
 )
@@ -157,7 +163,10 @@ class CoordinatorService:
                              f"no serving worker for {what} ({len(set(exclude))} excluded)",
                              mode)
         worker = cols.workers[index]
-        reason = f"admitted to {worker.name} (L_hat {table.load(index):.3g}, the lowest)"
+        if table.cfg.admission == "queue":  # cost-aware: checkpoint bytes held do not count
+            reason = f"admitted to {worker.name} (queue {cols.queue[index]}, the shortest)"
+        else:
+            reason = f"admitted to {worker.name} (L_hat {table.load(index):.3g}, the lowest)"
         # The size is not known up front; one byte asks for a holder with any budget at all.
         # The holders' table spans every worker, so the serving worker's index is the same.
         holders = book.holders_table(cols, index)
@@ -199,7 +208,10 @@ class CoordinatorService:
         mode = table.cfg.mode.value
         holder = table.index(checkpoint.holder) if checkpoint is not None else None
         blocks = self._checkpointed_blocks(checkpoint, ask.prefix_tokens)
-        route = policy_recover(table.snapshot, holder, blocks, table.cfg)
+        cfg = table.cfg
+        # Cost-aware: by estimated completion of the whole context (prefix_tokens).
+        total = ask.prefix_tokens
+        route = policy_recover(table.snapshot, holder, blocks, cfg, total)
         if route is None:
             self.decisions["no_survivor"] += 1
             return Recovery(self.epoch, None, False,
@@ -212,6 +224,12 @@ class CoordinatorService:
             why = "no checkpoint"
         elif holder is None:
             why = f"holder {checkpoint.holder} is not serving"
+        elif cfg.cost_aware and cfg.mode is Mode.lumen and cfg.adaptive_routing:
+            resume_s, target, recompute_s = completion_estimates(table.snapshot, holder,
+                                                                 blocks, total, cfg)
+            away = "" if target is None else f" on {table.workers[target].name}"
+            why = (f"prefix {blocks} blocks; est. resume on {checkpoint.holder} "
+                   f"{resume_s:.3g} s, recompute{away} {recompute_s:.3g} s")
         else:
             why = (f"holder {checkpoint.holder} L_hat {table.load(holder):.3g} "
                    f"(theta {table.cfg.theta:g}), prefix {blocks} blocks (tau {table.cfg.tau})")
@@ -350,7 +368,12 @@ class CoordinatorService:
                         and w.name not in assisted)
 
             table = self._table(view, target)
-            index = assist_target(table.snapshot, table.cfg)
+            cfg = table.cfg
+            if cfg.cost_aware and table.snapshot.assist_gain is None:
+                # Heartbeats carry no step costs, so no predicted gain (policy.assist_gain):
+                # Algorithm 3 as published, the most loaded by L_hat (here in seconds).
+                cfg = dataclasses.replace(cfg, cost_aware=False)
+            index = assist_target(table.snapshot, cfg)
             if index is None:
                 continue
             survivor = table.workers[index]

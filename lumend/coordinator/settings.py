@@ -1,24 +1,41 @@
 """The cluster's policy settings (etcd `config`): checked, parsed from `KEY VALUE` text, and
-turned into the `PolicyConfig` the policy functions take."""
+turned into the `PolicyConfig` the policy functions take.
+
+`decisions` selects how (docs/operator-guide.md, "Policy settings"):
+* `cost_aware` (default): admission to the shortest queue (checkpoint bytes held cost no
+  GPU time, so they do not count as serving load); Algorithm 1 by L_hat in seconds (one held
+  byte's restore time, one queued request's mean prefill: `policy.in_seconds` over the cost
+  model in `PolicyConfig`'s defaults, shared with the simulator); Algorithm 2 by estimated
+  completion time. alpha, beta, theta and tau are kept but not used.
+* `paper`: Algorithms 1-3 as published, L_hat = alpha * bytes held + beta * queue, with
+  theta and tau.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import get_args
 
 import msgspec
 
-from lumend.cluster.models import ClusterSettings, PolicyMode
-from lumend.coordinator.policy import Mode, PolicyConfig
+from lumend.cluster.models import ClusterSettings, Decisions, PolicyMode
+from lumend.coordinator.policy import Mode, PolicyConfig, in_seconds
 
 MODES: tuple[str, ...] = get_args(PolicyMode)
+DECISIONS: tuple[str, ...] = get_args(Decisions)
 KEYS: dict[str, str] = {
-    "alpha": "L_hat weight of one checkpoint byte held (a number >= 0; default 1/GiB)",
-    "beta": "L_hat weight of one queued request (a number >= 0)",
-    "theta": "L_hat above which a holder is overloaded for resumption (a number >= 0)",
+    "alpha": "L_hat weight of one checkpoint byte held (a number >= 0; default 1/GiB; "
+             "decisions paper only)",
+    "beta": "L_hat weight of one queued request (a number >= 0; decisions paper only)",
+    "theta": "L_hat above which a holder is overloaded for resumption (a number >= 0; "
+             "decisions paper only)",
     "tau": "prefix length in 16-token blocks above which an interrupted request resumes "
-           "from its checkpoint regardless of load (an integer >= 0)",
+           "from its checkpoint regardless of load (an integer >= 0; decisions paper only)",
     "mode": "policy: " + ", ".join(MODES),
+    "decisions": "cost_aware (admission to the shortest queue, placement and recovery by "
+                 "estimated seconds) or paper (Algorithms 1-3 as published: L_hat, theta, "
+                 "tau)",
 }
 
 
@@ -34,6 +51,11 @@ def parse_setting(settings: ClusterSettings, key: str, text: str) -> ClusterSett
     if key == "mode":
         if text not in MODES:
             raise SettingError(f"mode {text!r} is not a policy; use one of {', '.join(MODES)}")
+        value = text
+    elif key == "decisions":
+        if text not in DECISIONS:
+            raise SettingError(f"decisions {text!r} is not a way of deciding; use one of "
+                               f"{', '.join(DECISIONS)}")
         value = text
     elif key == "tau":
         try:
@@ -67,7 +89,16 @@ def check(settings: ClusterSettings) -> ClusterSettings:
 
 def policy_config(settings: ClusterSettings | None) -> PolicyConfig:
     s = settings or ClusterSettings()
+    if s.decisions == "cost_aware":
+        return _cost_aware(s.theta, s.tau, s.mode)
     return PolicyConfig(alpha=s.alpha, beta=s.beta, theta=s.theta, tau=s.tau, mode=Mode(s.mode))
+
+
+@functools.lru_cache(maxsize=16)
+def _cost_aware(theta: float, tau: int, mode: str) -> PolicyConfig:
+    # Cached: the load book builds one per view (the config is frozen, so sharing is safe).
+    return in_seconds(PolicyConfig(theta=theta, tau=tau, mode=Mode(mode), cost_aware=True,
+                                   admission="queue"))
 
 
 def as_rows(settings: ClusterSettings) -> list[dict[str, object]]:

@@ -321,8 +321,10 @@ def test_config_set_reaches_the_coordinators_next_decision(local_cluster: MakeCl
             await caught_up(client, 2)
             admission, recovery = await decide(client, 0)
             assert admission.checkpoint is not None and recovery.resume  # the defaults
-            # theta 0, and a prefix (4 blocks) not above tau: the holder (L_hat 1) is
-            # overloaded, so the request is recomputed instead.
+            assert "the shortest" in admission.reason  # decisions cost_aware, the default
+            # The paper's decisions, theta 0, and a prefix (4 blocks) not above tau: the
+            # holder (L_hat 1) is overloaded, so the request is recomputed instead.
+            assert lumenctl("config", "set", "decisions", "paper", "--yes").returncode == 0
             assert lumenctl("config", "set", "theta", "0", "--yes").returncode == 0
             deadline = time.monotonic() + 10
             n = 1
@@ -345,6 +347,7 @@ def test_config_set_reaches_the_coordinators_next_decision(local_cluster: MakeCl
     assert shown.returncode == 0
     settings = {row["key"]: row["value"] for row in json.loads(shown.stdout)["settings"]}
     assert settings["theta"] == 0 and settings["mode"] == "stop_and_restart"
+    assert settings["decisions"] == "paper"
     assert lumenctl("config", "get", "tau").stdout.strip() == "64"
     bad = lumenctl("config", "set", "theta", "lots", "--yes")
     assert bad.returncode == 2 and "theta 'lots' is not a number" in bad.stderr

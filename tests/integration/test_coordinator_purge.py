@@ -61,11 +61,11 @@ def test_a_dead_gateways_requests_are_forgotten(local_cluster: MakeCluster) -> N
         finally:
             await client.close()
 
-    # Each survivor is admitted to below one queued request's L_hat (beta = 1) again:
-    # nothing of the dead gateway is left (held bytes weigh 1/GiB each).
+    # Each survivor is admitted to with an empty queue again (cost-aware admission, the
+    # default, names the queue it chose by): nothing of the dead gateway is left.
     def back_to_normal() -> list[str] | None:
         reasons = asyncio.run(loads())
-        lows = [re.search(r"L_hat ([^,)]+), the lowest", r) for r in reasons]
-        return reasons if all(m is not None and float(m.group(1)) < 1 for m in lows) else None
+        lows = [re.search(r"queue (\d+), the shortest", r) for r in reasons]
+        return reasons if all(m is not None and int(m.group(1)) == 0 for m in lows) else None
 
     wait_until(back_to_normal, 15, "both survivors idle in the coordinator's L_hat")

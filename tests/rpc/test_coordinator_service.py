@@ -92,12 +92,12 @@ def test_a_new_coordinator_recovers_with_the_gateways_placement() -> None:
     assert recovery.epoch == 9 and recovery.resume
     assert recovery.target is not None
     assert recovery.target.worker == admission.checkpoint.holder
-    # The holder reports holding only one block: with the holder loaded above theta, so
-    # short a prefix is recomputed on the least-loaded survivor instead.
+    # The holder reports holding only one block: with the holder loaded above theta (the
+    # paper's decisions), so short a prefix is recomputed on the least-loaded survivor.
     new.progress(CheckpointProgress(admission.checkpoint.ckpt_id, admission.checkpoint.holder,
                                     4096, 16))
     strict = view(worker("a0", "a"), worker("b0", "b", running=1), worker("c0", "c", running=2),
-                  settings=ClusterSettings(theta=0.5))
+                  settings=ClusterSettings(theta=0.5, decisions="paper"))
     new._view = lambda: strict
     rerouted = new.recover(RecoverAsk("r", admission.target.worker, 160, "",
                                       admission.checkpoint, "gw"))

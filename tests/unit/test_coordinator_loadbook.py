@@ -12,6 +12,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 from msgspec.structs import replace
 
 from lumend.cluster.models import (
@@ -85,13 +86,18 @@ class Rescan:
         if spread_for is not None:
             held.update(r.checkpoint.holder for r in self.s.requests.values()
                         if r.worker == spread_for and r.checkpoint is not None)
-        rows = [PolicyLoad(name=w.name, node=w.node,
-                           ckpt_bytes=float(max(w.checkpoints.bytes_held, held[w.name])),
-                           queue=max(w.load.running + w.load.waiting, in_flight[w.name])
-                           + (w.name == extra_queue),
-                           budget_bytes=float(w.checkpoints.budget_bytes), alive=alive(w))
-                for w in workers]
-        return workers, LoadSnapshot.from_workers(rows), policy_config(view.settings)
+        cfg = policy_config(view.settings)
+        rows = []
+        for w in workers:
+            queue = max(w.load.running + w.load.waiting, in_flight[w.name])
+            rows.append(PolicyLoad(
+                name=w.name, node=w.node,
+                ckpt_bytes=float(max(w.checkpoints.bytes_held, held[w.name])),
+                queue=queue + (w.name == extra_queue),
+                budget_bytes=float(w.checkpoints.budget_bytes), alive=alive(w),
+                # Cost-aware: seconds of queued prefill, beta per request not yet running.
+                work_s=cfg.beta * max(0, queue - w.load.running) if cfg.cost_aware else None))
+        return workers, LoadSnapshot.from_workers(rows), cfg
 
     def admit(self, view: ClusterView, model: str | None, exclude: list[str]
               ) -> tuple[str | None, str | None, list[str]]:
@@ -107,13 +113,15 @@ class Rescan:
                                 spread_for=chosen.name)
         serving = [w.name for w in hw].index(chosen.name)
         h = place_checkpoint(hs, serving, 1.0, hc)
-        loads = [f"{load_hat(snap, i, cfg):.3g}"]
+        # Cost-aware admission names the queue it chose by, the paper's the L_hat.
+        loads = ([f"queue {snap.queue[i]}"] if cfg.admission == "queue"
+                 else [f"L_hat {load_hat(snap, i, cfg):.3g}"])
         if h is not None:
-            loads.append(f"{load_hat(hs, h, hc):.3g}")
+            loads.append(f"L_hat {load_hat(hs, h, hc):.3g}")
         return chosen.name, hw[h].name if h is not None else None, loads
 
-    def recover(self, view: ClusterView, failed: str, holder: str | None, blocks: int
-                ) -> tuple[str, bool] | None:
+    def recover(self, view: ClusterView, failed: str, holder: str | None, blocks: int,
+                total: int) -> tuple[str, bool] | None:
         record = view.workers.get(failed)
         model = record.model if record is not None else ""
 
@@ -123,27 +131,29 @@ class Rescan:
         workers, snap, cfg = self.table(view, survives)
         names = [w.name for w in workers]
         route = policy_recover(snap, names.index(holder) if holder in names else None, blocks,
-                               cfg)
+                               cfg, total)
         return None if route is None else (workers[route.worker].name, route.resume)
 
 
 def reason_loads(reason: str) -> list[str]:
-    """The L_hat values a reason names, in order."""
-    return re.findall(r"L_hat ([^,)]+)", reason)
+    """The queue and L_hat values a reason names, in order."""
+    return re.findall(r"((?:L_hat|queue) [^,)]+)", reason)
 
 
-def test_incremental_counts_decide_exactly_as_rescanning_them() -> None:
+@pytest.mark.parametrize("decisions", ["paper", "cost_aware"])
+def test_incremental_counts_decide_exactly_as_rescanning_them(decisions: str) -> None:
     rng = random.Random(16)
     workers = [worker(f"n{n}-w{k}", f"n{n}", running=rng.randrange(3),
                       held=rng.randrange(4) * GIB // 8, budget=GIB if k else GIB // 4,
                       model="m" if n < 5 else "other")
                for n in range(6) for k in range(3)]
-    views = [cluster(workers, gateways=("gw",)),
+    default = ClusterSettings(decisions=decisions)  # type: ignore[arg-type]
+    views = [cluster(workers, gateways=("gw",), settings=default),
              cluster([replace(w, load=WorkerLoad(running=rng.randrange(4))) for w in workers],
                      gateways=("gw",),
-                     settings=ClusterSettings(alpha=4.0 / GIB, beta=1.0)),
+                     settings=replace(default, alpha=4.0 / GIB, beta=1.0)),
              cluster([replace(w, state="failed") if w.name == "n1-w1" else w for w in workers],
-                     gateways=("gw",),
+                     gateways=("gw",), settings=default,
                      intents=[Intent(kind="drain", target="n2", target_kind="node",
                                      requested_at=0, requested_by="op")])]
     current = views[0]
@@ -187,7 +197,8 @@ def test_incremental_counts_decide_exactly_as_rescanning_them() -> None:
                 else 160) // 16
             # The reference decides with the request off its worker's queue, as the service.
             service.book.unassign(rid)
-            want = reference.recover(current, failed, ckpt.holder if ckpt else None, blocks)
+            want = reference.recover(current, failed, ckpt.holder if ckpt else None, blocks,
+                                     160)
             got_r = service.recover(RecoverAsk(rid, failed, 160, "", ckpt, "gw"))
             assert (None if got_r.target is None else (got_r.target.worker, got_r.resume)) \
                 == want, got_r.reason
@@ -233,7 +244,9 @@ def test_a_burst_spreads_checkpoints_over_holders_within_1_5x() -> None:
 def test_entries_expire_with_their_gateway_and_after_the_ttl() -> None:
     now = [1000.0]
     workers = [worker("a0", "a"), worker("b0", "b"), worker("c0", "c")]
-    with_gw = cluster(workers, gateways=("gw1", "gw2"), started_at=5.0)
+    # The paper's L_hat (beta 1 per request) makes the book's counts readable as loads.
+    paper = ClusterSettings(decisions="paper")
+    with_gw = cluster(workers, gateways=("gw1", "gw2"), started_at=5.0, settings=paper)
     current = with_gw
     service = CoordinatorService("a", 1, lambda: current)
     service.book = LoadBook(eligible, ttl_s=600.0, clock=lambda: now[0])
@@ -244,7 +257,7 @@ def test_entries_expire_with_their_gateway_and_after_the_ttl() -> None:
     loaded = service.loads()
     assert sum(loaded.values()) == 13  # beta 1: one per request in flight
     # gw1's node leaves the cluster (its lease expired): the next view drops its requests.
-    current = cluster(workers, gateways=("gw2",), started_at=5.0)
+    current = cluster(workers, gateways=("gw2",), started_at=5.0, settings=paper)
     assert sum(service.loads().values()) == 7
     assert service.book.expired["gateway_gone"] == 6
     # gw2 restarts (another started_at): its former requests died with it.

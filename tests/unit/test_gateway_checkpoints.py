@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from lumend.cluster.models import CheckpointUsage, NodeRecord, WorkerLoad, WorkerRecord
+from lumend.cluster.models import (
+    CheckpointUsage,
+    ClusterSettings,
+    NodeRecord,
+    WorkerLoad,
+    WorkerRecord,
+)
 from lumend.cluster.view import ClusterView
 from lumend.coordinator.policy import Mode, PolicyConfig
+from lumend.coordinator.settings import policy_config
 from lumend.gateway.checkpoints import place, route
 
 GIB = 1 << 30
@@ -51,7 +58,11 @@ def test_recovery_resumes_on_the_holder_unless_it_is_overloaded() -> None:
     # The holder is overloaded and the prefix short: recompute on the least-loaded survivor.
     busy = view(worker("a0", "a"), worker("b0", "b", running=1), worker("c0", "c", running=99))
     assert route(busy, placement, "a0", prefix_tokens=32) == ("b0", False)
-    # ...unless the prefix is long (more than tau blocks): resume anyway.
-    assert route(busy, placement, "a0", prefix_tokens=16 * 65) == ("c0", True)
+    # ...unless the prefix is long (more than tau blocks): resume anyway (the paper's
+    # decisions; cost-aware ones compare estimated seconds, and 99 queued requests at the
+    # holder outweigh recomputing 65 blocks).
+    paper = policy_config(ClusterSettings(decisions="paper"))
+    assert route(busy, placement, "a0", prefix_tokens=16 * 65, cfg=paper) == ("c0", True)
+    assert route(busy, placement, "a0", prefix_tokens=16 * 65) == ("b0", False)
     # No checkpoint: recompute on the least-loaded survivor, never on the failed worker.
     assert route(v, None, "a0", prefix_tokens=160) == ("c0", False)
