@@ -544,6 +544,33 @@ class Gateway:
                 return length
         return None
 
+    async def _ids_through_stop(self, target: Target, progress: Progress, ids: list[int],
+                                text: str, stop_end: int) -> int:
+        """How many of a chunk's `ids` (several: speculative decoding) an engine keeps when
+        the chunk's `text` completes a stop string at `stop_end`: through the token whose
+        text completes it, as vLLM keeps them when it matches stop strings itself. Without
+        this the ids a stopped request reports would depend on where chunks happen to
+        break (a resumed stream breaks them elsewhere). All of them when it cannot tell."""
+        before = progress.ids[:len(progress.ids) - len(ids)]
+        context = before[-8:] if before else list((progress.prompt_ids or [])[-8:])
+        texts = await asyncio.gather(*(self._detokenize(target, [*context, *ids[:k]])
+                                       for k in range(len(ids))))
+        if texts[0] is None:
+            return len(ids)
+        # The context may end inside a character that this chunk completes; an incomplete
+        # character is rendered as U+FFFD and is no text yet (engines send it once whole).
+        base = texts[0].rstrip(_INCOMPLETE)
+        for k in range(1, len(ids)):
+            full = texts[k]
+            if full is None or not full.startswith(base):
+                return len(ids)
+            added = full[len(base):].rstrip(_INCOMPLETE)
+            if not text.startswith(added):
+                return len(ids)  # special tokens rendered, a U+FFFD of the text: unsure
+            if len(added) >= stop_end:
+                return k
+        return len(ids)
+
     async def _detokenize(self, target: Target, ids: list[int]) -> str | None:
         """The text of `ids` by the target's tokenizer; None when its engines have no
         /detokenize. Raises EngineRefused when none of them can be reached."""
@@ -619,6 +646,12 @@ class Gateway:
             finish, stop_reason = piece.finish_reason, piece.stop_reason
             if scan.matched is not None:
                 finish, stop_reason = "stop", scan.matched
+                if len(ids) > 1 and scan.stop_end is not None and text == piece.text:
+                    keep = await self._ids_through_stop(target, progress, ids, text,
+                                                        scan.stop_end)
+                    if keep < len(ids):
+                        del progress.ids[len(progress.ids) - len(ids) + keep:]
+                        ids, entries = ids[:keep], entries[:keep]
             elif finish is not None:
                 released += scan.flush()
             progress.text += released
@@ -893,6 +926,8 @@ class ResumePlan:
 
 
 _encode = msgspec.json.Encoder()
+
+_INCOMPLETE = "\ufffd"  # how a tokenizer's decode renders the bytes of an unfinished character
 
 
 def _sse(data: dict[str, Any]) -> bytes:

@@ -18,6 +18,7 @@ class StopScan:
     include_stop: bool = False
     held: str = ""  # text received but not released: it may begin a stop string
     matched: str | None = None  # the stop string found, once found
+    stop_end: int | None = None  # characters of the last text fed through the stop's end
 
     @property
     def hold_back(self) -> int:
@@ -37,6 +38,7 @@ class StopScan:
             hits = [(at, s) for at, s in found if at >= 0]
             if hits:
                 at, stop = min(hits)
+                self.stop_end = at + len(stop) - len(self.held)
                 self.matched, self.held = stop, ""
                 return window[:at + len(stop)] if self.include_stop else window[:at]
         keep = self.hold_back
