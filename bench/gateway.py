@@ -1,12 +1,16 @@
 """What the gateway adds to a stream: the same streaming requests sent directly to an engine
 and through the gateway, interleaved in one run (issue 12's benchmark).
 
-One sim engine (a real process under a real supervisor) and one gateway in a process of its
-own; this process is the client. For each concurrency level, rounds alternate direct and
-gateway batches of the same requests. Prints added TTFT p50/p99 and streamed tokens/s
-through the gateway against direct (per gateway core: the gateway runs on one core).
+One sim engine (a real process under a real supervisor, in a process of its own) and one
+gateway process per event loop asked for (`--loops`: asyncio and, when installed, uvloop),
+each over that engine; this process is the client. For each concurrency level, rounds
+alternate the same batch of requests direct and through each gateway. Prints, per path,
+TTFT p50/p99, the TTFT added against direct, streamed tokens/s and its ratio to direct, and
+the gateway process's CPU time per stream and per token (from /proc: robust to other load on
+the machine, unlike the wall-clock columns).
 
     .venv/bin/python bench/gateway.py [--concurrency 1 64 512] [--tokens 64] [--rounds 3]
+                                      [--loops asyncio uvloop] [--pin] [--profile PATH]
 
 Goal: <= 2 ms added TTFT p50, >= 0.95x direct tokens/s. Asserts nothing.
 """
@@ -22,18 +26,46 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lumenctl.localcluster import free_ports
+from lumend.gateway import eventloop
 
 
-def serve(engine_port: int, gateway_port: int, workdir: str, time_scale: float,
-          profile: str | None, pin: bool) -> None:
-    """The other process: a supervisor with one sim engine, and a gateway over it."""
+def serve_engine(engine_port: int, workdir: str, time_scale: float) -> None:
+    """A supervisor with one sim engine; prints the worker's record once it serves."""
+    from lumend.config import WorkerConfig
+    from lumend.engine.adapter import SimAdapter
+    from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
+
+    async def main() -> None:
+        worker = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=0, model="sim-small",
+                              port=engine_port, args=["--time-scale", str(time_scale)])
+        sup = WorkerSupervisor("n", worker, SimAdapter(), runtime_dir=Path(workdir) / "run",
+                               log_dir=Path(workdir) / "logs",
+                               timing=SupervisorTiming(tick_s=0.05))
+        stop = asyncio.Event()
+        task = asyncio.create_task(sup.run(stop))
+        while not (sup.worker_state() == "serving" and sup.ready()):
+            await asyncio.sleep(0.05)
+        engine = next(s for s in sup.slots if s.proc is not None).proc
+        assert engine is not None
+        print(json.dumps({"record": msgspec.json.encode(sup.record()).decode(),
+                          "pid": engine.pid}), flush=True)
+        await asyncio.Event().wait()
+        await task
+
+    asyncio.run(main())
+
+
+def serve_gateway(gateway_port: int, record: str, loop: str, profile: str | None) -> None:
+    """A gateway over the engine's worker record, on event loop `loop`."""
     if profile:  # the gateway's own time, for finding where a chunk's cost goes
         import cProfile
         import signal
@@ -47,36 +79,20 @@ def serve(engine_port: int, gateway_port: int, workdir: str, time_scale: float,
             os._exit(0)
 
         signal.signal(signal.SIGTERM, dump)
+    from lumend.cluster.models import WorkerRecord
     from lumend.cluster.view import ClusterView
-    from lumend.config import WorkerConfig
-    from lumend.engine.adapter import SimAdapter
-    from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
     from lumend.gateway.server import Gateway
 
-    async def main() -> None:
-        worker = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=0, model="sim-small",
-                              port=engine_port, args=["--time-scale", str(time_scale)])
-        sup = WorkerSupervisor("n", worker, SimAdapter(), runtime_dir=Path(workdir) / "run",
-                               log_dir=Path(workdir) / "logs",
-                               timing=SupervisorTiming(tick_s=0.05))
-        stop = asyncio.Event()
-        task = asyncio.create_task(sup.run(stop))
-        gateway = Gateway(lambda: ClusterView(cluster="b", revision=0,
-                                              workers={"w0": sup.record()}))
-        await gateway.start(f"127.0.0.1:{gateway_port}")
-        while not (sup.worker_state() == "serving" and sup.ready()):
-            await asyncio.sleep(0.05)
-        if pin:  # the gateway on the last core; the engine (and the client) on the others
-            cores = sorted(os.sched_getaffinity(0))
-            engine = next(s for s in sup.slots if s.proc is not None).proc
-            assert engine is not None
-            os.sched_setaffinity(engine.pid, set(cores[:-1]))
-            os.sched_setaffinity(0, {cores[-1]})
-        print(json.dumps({"engine": sup.record().engines[0].url}), flush=True)
-        await asyncio.Event().wait()
-        await task
+    worker = msgspec.json.decode(record, type=WorkerRecord)
+    view = ClusterView(cluster="b", revision=0, workers={worker.name: worker})
 
-    asyncio.run(main())
+    async def main() -> None:
+        gateway = Gateway(lambda: view)
+        await gateway.start(f"127.0.0.1:{gateway_port}")
+        print(json.dumps({"loop": type(asyncio.get_running_loop()).__module__}), flush=True)
+        await asyncio.Event().wait()
+
+    eventloop.run(main(), loop)
 
 
 async def one(session: aiohttp.ClientSession, url: str, prompt: str,
@@ -102,13 +118,26 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str,
 
 
 async def batch(session: aiohttp.ClientSession, url: str, n: int,
-                tokens: int) -> tuple[list[float], float]:
-    """TTFTs and the batch's streamed tokens/s."""
+                tokens: int) -> tuple[list[float], float, int]:
+    """TTFTs, the batch's streamed tokens/s and its token count."""
     start = time.perf_counter()
     results = await asyncio.gather(*(one(session, url, f"request {i} of the benchmark says",
                                          tokens) for i in range(n)))
     wall = time.perf_counter() - start
-    return [r[0] for r in results], sum(r[2] for r in results) / wall
+    count = sum(r[2] for r in results)
+    return [r[0] for r in results], count / wall, count
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds a process's threads have run so far (the scheduler's count, in ns)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def pct(values: list[float], q: float) -> float:
@@ -116,34 +145,53 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(engine: str, gateway: str, levels: list[int], tokens: int,
-                  rounds: int) -> None:
+@dataclass
+class Path_:
+    name: str
+    url: str
+    pid: int | None  # the gateway's process (None: direct)
+    ttft: list[float] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    cpu: float = 0.0
+    streams: int = 0
+    tokens: int = 0
+
+
+async def measure(paths: list[Path_], levels: list[int], tokens: int, rounds: int) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await batch(session, gateway, 4, 8)  # warm both paths
-        await batch(session, engine, 4, 8)
-        print("| streams | direct TTFT p50 / p99 ms | gateway TTFT p50 / p99 ms | "
-              "added p50 / p99 ms | direct tok/s | gateway tok/s | ratio |")
-        print("|---|---|---|---|---|---|---|")
+        for path in paths:  # warm every path
+            await batch(session, path.url, 4, 8)
+        print("| streams | path | TTFT p50 / p99 ms | added p50 / p99 ms | tok/s | ratio | "
+              "gateway CPU ms/stream | gateway CPU us/token |")
+        print("|---|---|---|---|---|---|---|---|")
         for n in levels:
-            direct_ttft: list[float] = []
-            gw_ttft: list[float] = []
-            direct_rate: list[float] = []
-            gw_rate: list[float] = []
+            for path in paths:
+                path.ttft, path.rate, path.cpu, path.streams, path.tokens = [], [], 0.0, 0, 0
             for _ in range(rounds):
-                ttft, rate = await batch(session, engine, n, tokens)
-                direct_ttft += ttft
-                direct_rate.append(rate)
-                ttft, rate = await batch(session, gateway, n, tokens)
-                gw_ttft += ttft
-                gw_rate.append(rate)
-            d50, d99 = pct(direct_ttft, 0.5) * 1e3, pct(direct_ttft, 0.99) * 1e3
-            g50, g99 = pct(gw_ttft, 0.5) * 1e3, pct(gw_ttft, 0.99) * 1e3
-            dr, gr = statistics.median(direct_rate), statistics.median(gw_rate)
-            print(f"| {n} | {d50:.1f} / {d99:.1f} | {g50:.1f} / {g99:.1f} | "
-                  f"{g50 - d50:+.1f} / {g99 - d99:+.1f} | {dr:.0f} | {gr:.0f} | "
-                  f"{gr / dr:.2f}x |", flush=True)
+                for path in paths:
+                    before = cpu_s(path.pid) if path.pid else 0.0
+                    ttft, rate, count = await batch(session, path.url, n, tokens)
+                    if path.pid:
+                        path.cpu += cpu_s(path.pid) - before
+                    path.ttft += ttft
+                    path.rate.append(rate)
+                    path.streams += n
+                    path.tokens += count
+            direct = paths[0]
+            d50, d99 = pct(direct.ttft, 0.5) * 1e3, pct(direct.ttft, 0.99) * 1e3
+            dr = statistics.median(direct.rate)
+            for path in paths:
+                p50, p99 = pct(path.ttft, 0.5) * 1e3, pct(path.ttft, 0.99) * 1e3
+                rate = statistics.median(path.rate)
+                if path is direct:
+                    print(f"| {n} | direct | {p50:.1f} / {p99:.1f} | | {rate:.0f} | | | |")
+                    continue
+                print(f"| {n} | {path.name} | {p50:.1f} / {p99:.1f} | "
+                      f"{p50 - d50:+.1f} / {p99 - d99:+.1f} | {rate:.0f} | {rate / dr:.2f}x | "
+                      f"{path.cpu / path.streams * 1e3:.2f} | "
+                      f"{path.cpu / max(1, path.tokens) * 1e6:.0f} |", flush=True)
 
 
 def main() -> None:
@@ -153,41 +201,65 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=0.05,
                         help="the sim engine's time scale (smaller: faster engine)")
+    parser.add_argument("--loops", nargs="+", choices=("asyncio", "uvloop"),
+                        default=["asyncio", "uvloop"] if eventloop.uvloop_installed()
+                        else ["asyncio"],
+                        help="a gateway process per event loop, measured side by side")
     parser.add_argument("--profile", metavar="PATH",
-                        help="profile the gateway's process (cProfile stats written to PATH)")
+                        help="profile the gateway processes (cProfile stats written to "
+                        "PATH.<loop>)")
     parser.add_argument("--pin", action="store_true",
-                        help="the gateway alone on the last core, engine and client on the "
+                        help="the gateways alone on the last core, engine and client on the "
                         "others (as on a node whose gateway has a core of its own)")
-    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-engine", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-gateway", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        engine_port, gateway_port, workdir = args.serve
-        serve(int(engine_port), int(gateway_port), workdir, args.time_scale, args.profile,
-              args.pin)
+    if args.serve_engine:
+        serve_engine(int(args.serve_engine[0]), args.serve_engine[1], args.time_scale)
         return
-    engine_port, gateway_port = free_ports(2)
+    if args.serve_gateway:
+        port, record, loop = args.serve_gateway
+        serve_gateway(int(port), record, loop, args.profile)
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    ports = free_ports(1 + len(args.loops))
+    procs: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory() as workdir:
-        proc = subprocess.Popen([sys.executable, __file__, "--time-scale", str(args.time_scale),
-                                 *(["--profile", args.profile] if args.profile else []),
-                                 *(["--pin"] if args.pin else []),
-                                 "--serve", str(engine_port), str(gateway_port), workdir],
-                                stdout=subprocess.PIPE, text=True)
         try:
-            assert proc.stdout is not None
-            ready = json.loads(proc.stdout.readline())
-            if args.pin:
-                os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:-1]))
-            print(f"sim engine {ready['engine']} (time scale {args.time_scale}), gateway on "
-                  f"127.0.0.1:{gateway_port}, {args.tokens} tokens per stream, {args.rounds} "
-                  f"rounds per level, " + (
-                      "the gateway pinned to a core of its own, engine and client on the "
-                      f"other {os.cpu_count() - 1}" if args.pin else
-                      f"{os.cpu_count()} cores shared by client, gateway and engine"))
-            asyncio.run(measure(ready["engine"], f"http://127.0.0.1:{gateway_port}",
-                                args.concurrency, args.tokens, args.rounds))
+            engine = subprocess.Popen([sys.executable, __file__, "--time-scale",
+                                       str(args.time_scale), "--serve-engine", str(ports[0]),
+                                       workdir], stdout=subprocess.PIPE, text=True)
+            procs.append(engine)
+            assert engine.stdout is not None
+            ready = json.loads(engine.stdout.readline())
+            record = ready["record"]
+            url = json.loads(record)["engines"][0]["url"]
+            paths = [Path_("direct", url, None)]
+            for loop, port in zip(args.loops, ports[1:], strict=True):
+                profile = ["--profile", f"{args.profile}.{loop}"] if args.profile else []
+                gw = subprocess.Popen([sys.executable, __file__, *profile, "--serve-gateway",
+                                       str(port), record, loop], stdout=subprocess.PIPE,
+                                      text=True)
+                procs.append(gw)
+                assert gw.stdout is not None
+                json.loads(gw.stdout.readline())
+                paths.append(Path_(f"gateway {loop}", f"http://127.0.0.1:{port}", gw.pid))
+                if args.pin:
+                    os.sched_setaffinity(gw.pid, {cores[-1]})
+            if args.pin:  # the gateways on the last core; engine and client on the others
+                os.sched_setaffinity(ready["pid"], set(cores[:-1]))
+                os.sched_setaffinity(0, set(cores[:-1]))
+            print(f"sim engine {url} (time scale {args.time_scale}); gateways on event loops "
+                  f"{', '.join(args.loops)}; {args.tokens} tokens per stream, {args.rounds} "
+                  f"rounds per level; " + (
+                      "the gateways pinned to a core of their own, engine and client on the "
+                      f"other {len(cores) - 1}" if args.pin else
+                      f"{len(cores)} cores shared by client, gateways and engine"), flush=True)
+            asyncio.run(measure(paths, args.concurrency, args.tokens, args.rounds))
         finally:
-            proc.terminate()
-            proc.wait(10)
+            for proc in reversed(procs):
+                proc.terminate()
+                proc.wait(10)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,11 @@ from lumend.gateway.upstream import (
     EngineError,
     EngineRefused,
     MigrateAway,
+    PoolCounters,
     ReadTimeouts,
     StreamBroken,
     Upstream,
+    engine_session,
 )
 from lumend.rpc.messages import CheckpointRef, RecoverAsk
 from lumend.rpc.messages import Target as RpcTarget
@@ -66,6 +68,7 @@ class GatewayCounters:
     engine_errors: Counter[int] = field(default_factory=Counter)  # engine 4xx, by status
     restarts: int = 0  # resumes recomputed from the start (guided decoding, or no clean cut)
     inside_character: int = 0  # resumes after ids that ended inside a character
+    pool: PoolCounters = field(default_factory=PoolCounters)  # waits for an engine connection
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class GatewayTiming:
     migrate_retry_s: float = 1.0  # a stream that could not move is asked again after this
     client_write_s: float = 30.0  # a client that reads nothing for this long is dropped
     max_streams: int = 1024  # engine streams open at once; more requests get 503
+    pool_wait_s: float = 5.0  # the most a request waits for a free engine connection
     shadow_wait_s: float = 1.0  # how long a broken stream waits for its worker's shadow
 
 
@@ -194,11 +198,10 @@ class Gateway:
             raise GatewayBindError(
                 f'gateway.listen = "{listen}": cannot listen there ({exc.strerror or exc}); '
                 "choose a free port or an address of this host") from exc
-        # Reads are timed per stream (first token, then gaps: lumend/gateway/upstream.py);
-        # the number of streams is bounded by max_streams, not by the connection pool.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=None)
-        self._session = aiohttp.ClientSession(timeout=timeout,
-                                              connector=aiohttp.TCPConnector(limit=0))
+        # Streams are bounded by max_streams (503 beyond); the connection pool is sized
+        # from it, and reads are timed per stream (lumend/gateway/upstream.py).
+        self._session = engine_session(self.timing.max_streams, self.timing.pool_wait_s,
+                                       self.counters.pool)
         self._runner = runner
         self._watcher = asyncio.create_task(self._watch_migrations(), name="gateway-migrations")
         log.info("gateway serving the OpenAI API on http://%s", listen)
@@ -802,14 +805,16 @@ class Gateway:
 
     async def _stream(self, request: web.Request, req: ClientRequest,
                       rid: str) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+        response = EventStream(headers=SSE_HEADERS)
         renderer = self._renderer(req, rid)
         progress = Progress()
 
-        held: list[bytes] = []  # chunks rendered while more output was ready
+        # Chunks rendered while more output was ready, and the last one until [DONE]: each
+        # write is a send to the client, so they go out together (the headers go with the
+        # first, the body's end with the last).
+        held: list[bytes] = []
 
-        async def write(data: bytes) -> None:
+        async def write(data: bytes, end: bool = False) -> None:
             if held:
                 data = b"".join((*held, data))
                 held.clear()
@@ -817,7 +822,10 @@ class Gateway:
                 if not response.prepared:
                     await response.prepare(request)
                 async with asyncio.timeout(self.timing.client_write_s):
-                    await response.write(data)
+                    if end:
+                        await response.write_eof(data)
+                    else:
+                        await response.write(data)
             except TimeoutError:
                 raise ClientGone(f"the client read nothing for "
                                  f"{self.timing.client_write_s:g} s") from None
@@ -826,7 +834,7 @@ class Gateway:
 
         async def send(out: Out) -> None:
             held.extend(_sse(chunk) for chunk in renderer.chunks(out, progress.prompt_ids))
-            if not out.more and held:
+            if not out.more and held and out.finish_reason is None:
                 await write(b"")
 
         try:
@@ -842,8 +850,7 @@ class Gateway:
                 if req.include_usage:
                     await write(_sse(renderer.usage_chunk(len(progress.prompt_ids or ()),
                                                           progress.tokens)))
-            await write(b"data: [DONE]\n\n")
-            await response.write_eof()
+            await write(b"data: [DONE]\n\n", end=True)
         except ClientGone as exc:  # the upstream is already closed
             log.info("request %s: client gone (%s)", rid, exc)
             self.counters.requests["client_gone"] += 1
@@ -929,20 +936,38 @@ _encode = msgspec.json.Encoder()
 
 _INCOMPLETE = "\ufffd"  # how a tokenizer's decode renders the bytes of an unfinished character
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class EventStream(web.StreamResponse):
+    """A streamed response whose headers go out with its first chunk, in one send (aiohttp
+    sends a StreamResponse's headers on their own by default; its Response does not)."""
+
+    _send_headers_immediately = False
+
 
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + _encode.encode(data) + b"\n\n"
 
 
+_decode_body = msgspec.json.Decoder().decode
+
+
 async def _json(request: web.Request) -> Any:
     try:
-        return await request.json()
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error"
-                       ) from None
+        body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the body exceeds {MAX_BODY_BYTES} bytes",
                        "invalid_request_error") from None
+    try:
+        return _decode_body(body)  # UTF-8 JSON, the common case, without the stdlib's cost
+    except msgspec.DecodeError:
+        pass  # the stdlib's JSON (NaN, another charset) and its error message
+    try:
+        return json.loads(body.decode(request.charset or "utf-8"))
+    except (ValueError, LookupError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error"
+                       ) from None
 
 
 def path_of(chat: bool) -> str:

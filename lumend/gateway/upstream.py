@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -13,6 +14,8 @@ from typing import Any
 
 import aiohttp
 import msgspec
+
+log = logging.getLogger("lumend.gateway")
 
 
 class EngineRefused(Exception):
@@ -45,6 +48,67 @@ class Piece:
     prompt_token_ids: tuple[int, ...] | None = None  # on the first chunk only
     stop_reason: str | int | None = None
     logprobs: dict[str, Any] | None = None  # the engine's, in its endpoint's format
+
+
+@dataclass
+class PoolCounters:
+    """Requests that waited for a connection to an engine because the pool was full, and
+    those whose wait ran out (`pool_wait_s`: they fail like an unreachable engine)."""
+
+    waits: int = 0
+    timeouts: int = 0
+
+
+KEEPALIVE_S = 4.0  # idle engine connections kept this long (under uvicorn's 5 s, vLLM's)
+SIDE_REQUESTS = 1  # per stream: /detokenize, /v1/models or /lumen/engine while it resumes
+
+
+def pool_size(max_streams: int) -> int:
+    """Connections to engines the gateway keeps at most: one per stream (`max_streams`, the
+    limit past which requests get 503) and one per stream for its side requests."""
+    return max_streams * (1 + SIDE_REQUESTS)
+
+
+def engine_session(max_streams: int, pool_wait_s: float, counters: PoolCounters,
+                   connect_s: float = 2.0) -> aiohttp.ClientSession:
+    """The one session the gateway talks to engines through, built once: a pool of
+    `pool_size(max_streams)` connections kept alive between requests, no cookie jar, no
+    User-Agent, no timeout object per request. Reads are timed per stream (first token, then
+    gaps: `ReadTimeouts`), so the session has no read timeout; a request that finds the pool
+    full waits at most `pool_wait_s` (counted in `counters`, and logged when it runs out)."""
+    trace = aiohttp.TraceConfig()
+
+    async def queued(_: object, ctx: Any, __: object) -> None:
+        counters.waits += 1
+        ctx.queued_at = time.monotonic()
+
+    async def dequeued(_: object, ctx: Any, __: object) -> None:
+        ctx.queued_at = None
+
+    async def failed(_: object, ctx: Any, params: Any) -> None:
+        if getattr(ctx, "queued_at", None) is None:
+            return
+        counters.timeouts += 1
+        log.warning("no free connection to %s within %.1f s: the gateway's %d engine "
+                    "connections (2 x [gateway] max_streams) are all in use",
+                    params.url.origin(), time.monotonic() - ctx.queued_at,
+                    pool_size(max_streams))
+
+    trace.on_connection_queued_start.append(queued)
+    trace.on_connection_queued_end.append(dequeued)
+    trace.on_request_exception.append(failed)
+    trace.freeze()
+    connector = aiohttp.TCPConnector(limit=pool_size(max_streams), limit_per_host=0,
+                                     keepalive_timeout=KEEPALIVE_S)
+    return aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent",), trace_configs=[trace],
+        timeout=aiohttp.ClientTimeout(total=None, connect=pool_wait_s,
+                                      sock_connect=connect_s, sock_read=None))
+
+
+_JSON = {"Content-Type": "application/json"}
+_encode_body = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True)
@@ -88,6 +152,46 @@ def _piece_of(data: bytes) -> Piece | None:
     return parse_chunk(chunk)
 
 
+# Responses read to [DONE] whose end (the chunked body's last, empty chunk) is still on its
+# way: read in the background, so that their connections go back to the pool.
+_ending: set[asyncio.Task[None]] = set()
+END_WAIT_S = 5.0  # the end of a finished stream not read within this: connection closed
+
+
+def _reuse(response: aiohttp.ClientResponse) -> None:
+    """Give a response read to [DONE] back to the pool. The engine ends its body right after
+    [DONE], usually in a packet of its own: released before that end is read, the connection
+    would be closed and the next request would pay for a new one (a TCP handshake and
+    aiohttp's connection setup: most of the gateway's cost per request). The end is read in
+    the background, so the client's stream ends without waiting for it."""
+    if response.content.is_eof():
+        response.release()
+        return
+    task = asyncio.get_running_loop().create_task(_read_end(response))
+    _ending.add(task)
+    task.add_done_callback(_ending.discard)
+
+
+async def _read_end(response: aiohttp.ClientResponse) -> None:
+    try:
+        async with asyncio.timeout(END_WAIT_S):
+            while await response.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError):
+        response.close()
+        return
+    except BaseException:  # cancelled (the loop is closing): the connection goes too
+        response.close()
+        raise
+    response.release()
+
+
+async def ends_read() -> None:
+    """Wait until the ends of finished streams read in the background are read (tests)."""
+    while _ending:
+        await asyncio.wait(set(_ending))
+
+
 async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], path: str,
                       body: dict[str, Any], timeouts: ReadTimeouts | None = None
                       ) -> AsyncGenerator[list[Piece], None]:
@@ -98,10 +202,11 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
     Raises `EngineRefused` if none accepts, `EngineError` for a 4xx, `StreamBroken` if the
     accepted stream ends before `[DONE]` or goes quiet (`timeouts`)."""
     timeouts = timeouts or ReadTimeouts()
+    encoded = _encode_body(body)  # once, for all the urls tried
     response = None
     for url in urls:
         try:
-            response = await session.post(url + path, json=body)
+            response = await session.post(url + path, data=encoded, headers=_JSON)
         except (aiohttp.ClientError, TimeoutError):
             continue
         if response.status == 200:
@@ -119,12 +224,13 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
         response = None
     if response is None:
         raise EngineRefused(f"no engine of {', '.join(urls)} accepted the request")
-    done = False
+    done = finished = False
     tokens = 0
     partial = b""
     try:
         while True:
-            wait = timeouts.first_token_s if not tokens else timeouts.inactivity_s
+            wait = (END_WAIT_S if finished else timeouts.first_token_s if not tokens
+                    else timeouts.inactivity_s)
             try:
                 async with asyncio.timeout(wait):
                     data = await response.content.readany()
@@ -152,6 +258,7 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
                     raise
                 if piece is not None:
                     tokens += len(piece.token_ids) or bool(piece.text)
+                    finished = finished or piece.finish_reason is not None
                     batch.append(piece)
             if batch:
                 yield batch
@@ -162,7 +269,7 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
         raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
     finally:
         if done:
-            response.release()
+            _reuse(response)
         else:
             # Not read to the end (the client left, or the stream broke): close the
             # connection, so the engine sees it and stops generating for nobody.
@@ -194,6 +301,7 @@ class Upstream:
         self._items: deque[object] = deque()
         self._more = asyncio.Event()
         self._migrate_pending = False
+        self._finished = False  # a piece with a finish_reason was read
         self.migrate_not_before = 0.0  # monotonic: a declined move is not retried before
         self._task = asyncio.create_task(self._pump(session, urls, path, body, timeouts))
 
@@ -205,6 +313,8 @@ class Upstream:
                 async for batch in batches:
                     self._items.extend(batch)
                     self._more.set()
+                    if not self._finished:
+                        self._finished = any(p.finish_reason is not None for p in batch)
         except (EngineRefused, StreamBroken, EngineError) as exc:
             self._put(exc)
         except Exception as exc:  # never leave the reader waiting
@@ -269,6 +379,13 @@ class Upstream:
             return StreamBroken("the engine ended the stream without a token")
 
     async def close(self) -> None:
-        """Stop reading and close the engine's stream (the engine stops generating)."""
+        """Stop reading and close the engine's stream (the engine stops generating). A
+        stream whose finish_reason was read has only `[DONE]` and its end to come: that is
+        read in the background (within END_WAIT_S), and its connection is kept for the next
+        request instead of closed."""
+        if self._finished and not self._task.done():
+            _ending.add(self._task)
+            self._task.add_done_callback(_ending.discard)
+            return
         self._task.cancel()
         await asyncio.wait({self._task})
