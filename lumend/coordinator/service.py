@@ -230,6 +230,9 @@ class CoordinatorService:
             away = "" if target is None else f" on {table.workers[target].name}"
             why = (f"prefix {blocks} blocks; est. resume on {checkpoint.holder} "
                    f"{resume_s:.3g} s, recompute{away} {recompute_s:.3g} s")
+        elif cfg.cost_aware:  # a baseline's routing; L_hat in seconds, theta/tau unused
+            why = (f"holder {checkpoint.holder} L_hat {table.load(holder):.3g} s, prefix "
+                   f"{blocks} blocks")
         else:
             why = (f"holder {checkpoint.holder} L_hat {table.load(holder):.3g} "
                    f"(theta {table.cfg.theta:g}), prefix {blocks} blocks (tau {table.cfg.tau})")
