@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from asyncio import Future
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -84,6 +85,21 @@ class ChannelPool:
                 close = lease.retired and lease.users == 0
             if close:
                 self._close_later(lease)
+
+    def keep_while(self, lease: Lease, call: Future[Any]) -> None:
+        """Keep `lease`'s channel open until `call` is done (a call whose caller was
+        cancelled still runs in its thread)."""
+        with self._lock:
+            lease.users += 1
+
+        def release(_: Future[Any]) -> None:
+            with self._lock:
+                lease.users -= 1
+                close = lease.retired and lease.users == 0
+            if close:
+                self._close_later(lease)
+
+        call.add_done_callback(release)
 
     def retire(self, lease: Lease) -> None:
         """No new call gets `lease`'s channel; it is closed when its last call returns."""

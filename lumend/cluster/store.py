@@ -425,7 +425,12 @@ class EtcdStore:
         """`fn(client)` in a worker thread. A thread that has not returned long after its
         deadline is abandoned with its channel (`_Abandoned`, a transient failure)."""
         call = asyncio.ensure_future(asyncio.to_thread(fn, lease.client))
-        done, _ = await asyncio.wait({call}, timeout=self._abandon_after_s)
+        try:
+            done, _ = await asyncio.wait({call}, timeout=self._abandon_after_s)
+        except asyncio.CancelledError:
+            self._channels.keep_while(lease, call)  # the thread goes on with the channel
+            call.add_done_callback(_quiet)
+            raise
         if call in done:
             return call.result()
         call.add_done_callback(_quiet)

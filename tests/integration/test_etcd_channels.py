@@ -126,3 +126,37 @@ def test_a_mod_revision_compare_refuses_a_write_after_another_write(etcd: EtcdCl
             await store.close()
 
     assert asyncio.run(scenario()) == (True, False, True, b"4")
+
+
+def test_a_cancelled_call_keeps_its_channel_until_its_thread_is_done(etcd: EtcdCluster) -> None:
+    async def scenario() -> list[object]:
+        store = EtcdStore(etcd.endpoints, request_timeout_s=2.0, retry_budget_s=0.1)
+        await store.put("k", b"v")
+        seen: list[object] = []
+        started, finished = threading.Event(), threading.Event()
+
+        def slow_read(c: Any) -> None:
+            started.set()
+            time.sleep(0.5)  # cancelled meanwhile, and its channel retired by a failure
+            try:
+                value, _ = c.get("k")
+                seen.append(value)
+            except Exception as exc:
+                seen.append(type(exc).__name__)
+            finished.set()
+
+        def failing(c: Any) -> None:
+            raise etcd_errors.ConnectionFailedError()
+
+        try:
+            slow = asyncio.create_task(store._call("slow read", slow_read))
+            await asyncio.to_thread(started.wait, 5)
+            slow.cancel()
+            with pytest.raises(StoreUnavailable):
+                await store._call("failing", failing)
+            await asyncio.to_thread(finished.wait, 5)
+            return seen
+        finally:
+            await store.close()
+
+    assert asyncio.run(scenario()) == [b"v"]
