@@ -9,6 +9,7 @@
 #                    promtool and evaluated by a real Prometheus (tests/deploy)
 #   logrotate        checks the engine-log rotation the lumend role installs (tests/deploy)
 #   iproute2         `ip`: the chaos suite's network namespaces, links and black holes
+#   nftables         `nft`: the chaos suite's packet loss
 set -euo pipefail
 
 missing=()
@@ -19,6 +20,7 @@ command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the etcd role's PKI 
 { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
 command -v logrotate >/dev/null 2>&1 || missing+=(logrotate)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v nft >/dev/null 2>&1 || missing+=(nftables)
 if ! command -v pkg-config >/dev/null 2>&1; then
     missing+=(pkg-config libsystemd-dev)
 elif ! pkg-config --exists libsystemd; then

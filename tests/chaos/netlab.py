@@ -6,7 +6,9 @@ Faults are made where a real network makes them, at the hosts' routing policy: a
 `blackhole` rule drops on arrival every packet from an address, so a black hole between two
 hosts (a rule on each) answers nothing, refuses nothing: connections hang until their
 timeouts, as across a failed switch, not a closed port. A host's link set down cuts it off
-from everything. This kernel has no `tc netem`; loss and delay are not modelled.
+from everything. This kernel has no `tc netem`: loss is made with nftables instead (a rule
+on a host's input that drops a random share of what another host sends it, with a counter
+that proves it dropped); delay is not modelled.
 
 Everything is made by the lab and removed by `close()` (namespaces, links and the root
 side's address); processes started in it are stopped by their own pid.
@@ -14,6 +16,7 @@ side's address); processes started in it are stopped by their own pid.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +45,23 @@ def _ip(*args: str, ns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
 
+def nft_available() -> str | None:
+    """Why packet loss cannot be made here (no nftables, or it does not work), or None."""
+    if available() is not None:
+        return available()
+    if shutil.which("nft") is None:
+        return "nftables' `nft` is not installed (apt-get install -y nftables): no packet loss"
+    return None
+
+
+def _nft(ns: str, script: str) -> str:
+    done = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LabUnavailable(f"nft in {ns} refused the loss rules: {done.stderr.strip()}")
+    return done.stdout
+
+
 def available() -> str | None:
     """Why the lab cannot run here, or None when it can."""
     if os.geteuid() != 0:
@@ -60,6 +80,9 @@ class Host:
     ns: str
     ip: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    # Loss on input: sender's address -> percent of its packets dropped.
+    loss: dict[str, int] = field(default_factory=dict)
+    dropped_before: int = 0  # drops counted by rules since replaced
 
     def popen(self, cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
         """Start `cmd` in this namespace (`ip netns exec` execs it: the pid is the
@@ -79,6 +102,42 @@ class Host:
     def undrop_from(self, *ips: str) -> None:
         for ip in ips:
             _ip("rule", "del", "from", f"{ip}/32", "blackhole", "priority", "100", ns=self.ns)
+
+    def lose_from(self, percent: int, *ips: str) -> None:
+        """Drop, on arrival, `percent` % of the packets `ips` send this host, at random and
+        independently (nftables' `numgen random`), each drop counted; 0 removes the rule.
+        Raises LabUnavailable when nftables cannot do it here."""
+        why = nft_available()
+        if why is not None:
+            raise LabUnavailable(why)
+        self.dropped_before = self.dropped()
+        for ip in ips:
+            if percent > 0:
+                self.loss[ip] = percent
+            else:
+                self.loss.pop(ip, None)
+        rules = "".join(f"        ip saddr {ip} numgen random mod 100 < {p} counter drop\n"
+                        for ip, p in sorted(self.loss.items()))
+        # One transaction: the table is made if missing, emptied and filled again.
+        _nft(self.ns, "table inet lab {}\ndelete table inet lab\n"
+                      "table inet lab {\n    chain input {\n"
+                      "        type filter hook input priority 0; policy accept;\n"
+                      f"{rules}    }}\n}}\n")
+
+    def dropped(self) -> int:
+        """Packets the loss rules dropped on this host, all senders, since the lab began."""
+        if shutil.which("nft") is None:
+            return self.dropped_before
+        done = subprocess.run(["ip", "netns", "exec", self.ns, "nft", "-j", "list", "table",
+                               "inet", "lab"], capture_output=True, text=True)
+        if done.returncode != 0:  # no table (yet)
+            return self.dropped_before
+        total = 0
+        for item in json.loads(done.stdout).get("nftables", []):
+            for expr in item.get("rule", {}).get("expr", []):
+                if isinstance(expr, dict) and "counter" in expr:
+                    total += int(expr["counter"]["packets"])
+        return self.dropped_before + total
 
     def cut(self) -> None:
         """Take this host off the network (its link down)."""
@@ -150,6 +209,12 @@ class NetLab:
         a.undrop_from(b.ip)
         b.undrop_from(a.ip)
 
+    def lossy(self, a: Host, b: Host, percent: int) -> None:
+        """`percent` % of the packets between `a` and `b` vanish, each direction on its own
+        (each host drops that share of what the other sends); 0 makes the link clean."""
+        a.lose_from(percent, b.ip)
+        b.lose_from(percent, a.ip)
+
     def close(self) -> None:
         for host in self.hosts:
             for proc in host.procs:
@@ -166,6 +231,68 @@ class EtcdMember:
     host: Host
     name: str
     proc: subprocess.Popen[bytes] | None = None
+    data_dir: Path | None = None
+    tmpfs_mib: int | None = None  # the data dir is a tmpfs of this size, etcd's alone
+
+    argv: list[str] = field(default_factory=list)
+    # With a tmpfs: a process that holds the mount namespace the tmpfs is mounted in, so
+    # that it outlives etcd (etcd can be restarted on the same data, as systemd would).
+    mounts: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start (or restart) etcd on its data dir."""
+        assert self.data_dir is not None
+        log = self.host.lab.workdir / f"{self.name}.log"
+        if self.tmpfs_mib is None:
+            self.proc = self.host.popen(self.argv, log)
+            return
+        if self.mounts is None:  # `ip netns exec` gives the holder a mount namespace
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.mounts = self.host.popen(
+                ["sh", "-c", f'mount -t tmpfs -o size={self.tmpfs_mib}m lab "$0" '
+                             "&& exec sleep infinity", str(self.data_dir)],
+                self.host.lab.workdir / f"{self.name}.mount.log")
+            deadline = time.monotonic() + 10
+            while self._in_mounts("stat", "-f", "-c", "%T", str(self.data_dir)
+                                  ).stdout.strip() != "tmpfs":
+                if self.mounts.poll() is not None or time.monotonic() > deadline:
+                    raise LabUnavailable(f"no tmpfs for {self.name}'s data dir: see "
+                                         f"{self.name}.mount.log")
+                time.sleep(0.05)
+        with log.open("ab") as out:  # nsenter execs etcd: the pid is etcd's own
+            self.proc = subprocess.Popen(
+                ["nsenter", "-t", str(self.mounts.pid), "-m", "-n", *self.argv], stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        self.host.procs.append(self.proc)
+
+    @property
+    def filler(self) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir / "filler"  # on the tmpfs, beside etcd's member/
+
+    def _in_mounts(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        """`cmd` in the mount namespace the member's tmpfs is mounted in."""
+        assert self.mounts is not None
+        return subprocess.run(["nsenter", "-t", str(self.mounts.pid), "-m", *cmd],
+                              capture_output=True, text=True)
+
+    def disk_free(self) -> int:
+        """Bytes free on the member's data dir (its tmpfs)."""
+        done = self._in_mounts("stat", "-f", "-c", "%a %S", str(self.data_dir))
+        if done.returncode != 0:
+            raise RuntimeError(f"stat in etcd's mounts: {done.stderr.strip()}")
+        blocks, size = done.stdout.split()
+        return int(blocks) * int(size)
+
+    def fill_disk(self, leave_bytes: int = 0) -> None:
+        """Take the data dir's free space but `leave_bytes` (a file beside etcd's own)."""
+        size = max(0, self.disk_free() - leave_bytes)
+        done = self._in_mounts("fallocate", "-l", str(size), str(self.filler))
+        if done.returncode != 0:
+            raise RuntimeError(f"fallocate in etcd's mounts: {done.stderr.strip()}")
+
+    def free_disk(self) -> None:
+        self._in_mounts("rm", "-f", str(self.filler))
 
     @property
     def client_url(self) -> str:
@@ -176,9 +303,12 @@ class EtcdMember:
         return f"http://{self.host.ip}:2380"
 
 
-def start_etcd(lab: NetLab, size: int) -> list[EtcdMember]:
-    """`size` etcd members, each on a host of its own; returns once the cluster answers."""
-    members = [EtcdMember(lab.host(f"etcd{i}"), f"etcd{i}") for i in range(size)]
+def start_etcd(lab: NetLab, size: int, tmpfs_mib: int | None = None) -> list[EtcdMember]:
+    """`size` etcd members, each on a host of its own; returns once the cluster answers.
+    With `tmpfs_mib` each member's data dir is a tmpfs of that size mounted in the member's
+    own mount namespace (gone with the process): a disk that can be filled."""
+    members = [EtcdMember(lab.host(f"etcd{i}"), f"etcd{i}", data_dir=lab.workdir / f"etcd{i}.data",
+                          tmpfs_mib=tmpfs_mib) for i in range(size)]
     initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
     hygiene: list[str] = []
     if ETCD_AUTO_COMPACTION_RETENTION is not None:
@@ -187,13 +317,14 @@ def start_etcd(lab: NetLab, size: int) -> list[EtcdMember]:
     if ETCD_QUOTA_BACKEND_BYTES is not None:
         hygiene += ["--quota-backend-bytes", str(ETCD_QUOTA_BACKEND_BYTES)]
     for m in members:
-        m.proc = m.host.popen([
-            etcd_binary(), "--name", m.name, "--data-dir", str(lab.workdir / f"{m.name}.data"),
+        m.argv = [
+            etcd_binary(), "--name", m.name, "--data-dir", str(m.data_dir),
             "--listen-client-urls", m.client_url, "--advertise-client-urls", m.client_url,
             "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
             "--initial-cluster", initial, "--initial-cluster-state", "new",
             "--initial-cluster-token", lab.prefix, *hygiene,
-        ], lab.workdir / f"{m.name}.log")
+        ]
+        m.start()
     deadline = time.monotonic() + 30
     while True:
         done = subprocess.run(["etcdctl", "--endpoints", ",".join(m.client_url for m in members),

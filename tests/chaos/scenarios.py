@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -59,10 +61,11 @@ HEADER = ["scenario", "streams", "completed", "token-identical", "lost", "duplic
 class Cluster:
     """etcd members and lumend nodes on a lab."""
 
-    def __init__(self, lab: NetLab, etcd_members: int, nodes: int) -> None:
+    def __init__(self, lab: NetLab, etcd_members: int, nodes: int,
+                 etcd_tmpfs_mib: int | None = None) -> None:
         self.lab = lab
         self.name = "chaos"
-        self.etcd: list[EtcdMember] = start_etcd(lab, etcd_members)
+        self.etcd: list[EtcdMember] = start_etcd(lab, etcd_members, tmpfs_mib=etcd_tmpfs_mib)
         self.endpoints = [m.client_url for m in self.etcd]
         self.nodes: list[Node] = [
             start_node(lab, f"node-{i + 1}", self.endpoints, self.name,
@@ -183,6 +186,19 @@ def streams_in_flight(node: Node) -> dict[str, float]:
     return found
 
 
+def metric(node: Node, name: str) -> float | None:
+    """One unlabelled sample of the node's metrics, or None if absent or unreachable."""
+    try:
+        with urllib.request.urlopen(f"http://{node.host.ip}:{METRICS}/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
 async def admit_works(cluster: Cluster, endpoints: list[str] | None = None) -> bool:
     """Whether the coordinator in etcd answers an Admit now."""
     try:
@@ -192,13 +208,19 @@ async def admit_works(cluster: Cluster, endpoints: list[str] | None = None) -> b
     if view.coordinator is None:
         return False
     client = CoordinatorClient(view.coordinator.record.rpc)
+    probe = f"probe-{time.monotonic_ns()}"
     try:
-        admission = await client.admit(f"probe-{time.monotonic_ns()}", None, "chaos")
-        return admission.target is not None
+        admission = await client.admit(probe, None, "chaos")
     except RpcFailure:
+        await client.close()
         return False
+    try:  # a probe is no request: the coordinator's tables keep only the real ones
+        await client.finish(probe)
+    except RpcFailure:
+        pass
     finally:
         await client.close()
+    return admission.target is not None
 
 
 async def until_admissions_resume(cluster: Cluster, since: float, timeout_s: float,
@@ -226,11 +248,13 @@ async def old_coordinator_refuses(node: Node) -> bool:
 
 
 @contextmanager
-def lab_cluster(workdir: Path, etcd_members: int) -> Iterator[tuple[NetLab, Cluster]]:
+def lab_cluster(workdir: Path, etcd_members: int, etcd_tmpfs_mib: int | None = None
+                ) -> Iterator[tuple[NetLab, Cluster]]:
     """A lab with `etcd_members` etcd members and 3 lumend nodes, removed afterwards."""
     lab = NetLab(workdir)
     try:
-        yield lab, Cluster(lab, etcd_members=etcd_members, nodes=3)
+        yield lab, Cluster(lab, etcd_members=etcd_members, nodes=3,
+                           etcd_tmpfs_mib=etcd_tmpfs_mib)
     finally:
         lab.close()
 
@@ -411,10 +435,339 @@ def two_nodes_lost_at_once(workdir: Path) -> Row:
         return row
 
 
+@dataclass
+class Watch:
+    """What a watcher saw while a fault lasted: Admit probes answered and refused, the
+    longest stretch without an answer, every (coordinator, epoch) in etcd."""
+
+    answered: int = 0
+    refused: int = 0
+    longest_gap_s: float = 0.0
+    terms: list[tuple[str, int]] = field(default_factory=list)
+
+    def elections(self) -> int:
+        return max(0, len(self.terms) - 1)
+
+    def notes(self) -> list[str]:
+        terms = " -> ".join(f"{n}@{e}" for n, e in self.terms) or "none seen"
+        return [f"{self.answered}/{self.answered + self.refused} Admit probes answered "
+                f"(longest gap {self.longest_gap_s:.1f} s)",
+                f"{self.elections()} elections during the fault ({terms})"]
+
+
+async def watch_while(cluster: Cluster, busy: Callable[[], bool], watch: Watch,
+                      period_s: float = 0.5) -> None:
+    """Probe Admit and read the coordinator every `period_s` while `busy()`."""
+    last_answer = time.monotonic()
+    while busy():
+        if await admit_works(cluster):
+            watch.answered += 1
+            last_answer = time.monotonic()
+        else:
+            watch.refused += 1
+            watch.longest_gap_s = max(watch.longest_gap_s, time.monotonic() - last_answer)
+        try:
+            view = await asyncio.to_thread(cluster.view)
+            if view.coordinator is not None:
+                term = (view.coordinator.record.node, view.coordinator.epoch)
+                if not watch.terms or watch.terms[-1] != term:
+                    watch.terms.append(term)
+        except Exception:
+            pass
+        await asyncio.sleep(period_s)
+
+
+def packet_loss(workdir: Path, percent: int, hold_s: float = 20.0) -> Row:
+    """`percent` % of the packets between every node and etcd, and between every two nodes,
+    vanish (at random, each direction on its own) for at least `hold_s` and while 8 streams
+    run. Streams must come out identical and admissions go on; the coordinator should stay
+    (or be re-elected): the row counts the elections. The nft counters prove the loss was
+    there (the control: a row with no drops is void)."""
+    row = Row(f"{percent}% packet loss, every node to etcd and to its peers")
+    with lab_cluster(workdir, etcd_members=1) as (lab, cluster):
+        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        assert view.coordinator is not None
+        watch = Watch(terms=[(view.coordinator.record.node, view.coordinator.epoch)])
+        hosts = [m.host for m in cluster.etcd] + [n.host for n in cluster.nodes]
+        links = [(n.host, m.host) for n in cluster.nodes for m in cluster.etcd] + [
+            (a.host, b.host) for i, a in enumerate(cluster.nodes) for b in cluster.nodes[i + 1:]]
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as session:
+                load = Load(cluster.nodes[0].gateway)
+                await load.start(session)
+                fault = time.monotonic()
+                for a, b in links:
+                    lab.lossy(a, b, percent)
+                finished = asyncio.create_task(load.finish(row))
+                await watch_while(cluster, lambda: not finished.done()
+                                  or time.monotonic() - fault < hold_s, watch)
+                await finished
+                row.notes.append(f"{sum(h.dropped() for h in hosts)} packets dropped in "
+                                 f"{time.monotonic() - fault:.0f} s")
+                for a, b in links:
+                    lab.lossy(a, b, 0)
+                healed = time.monotonic()
+                await asyncio.to_thread(cluster.wait, cluster.settled, 60, "settled again")
+                row.notes.append(f"settled {time.monotonic() - healed:.1f} s after the loss")
+
+        asyncio.run(run())
+        row.admissions_resumed_s = watch.longest_gap_s
+        row.notes[:0] = watch.notes()
+        row.etcd_db_bytes = cluster.db_bytes()
+        return row
+
+
+def lumenctl_status(cluster: Cluster) -> tuple[int, str]:
+    """`lumenctl status`'s exit code and its last lines, as an operator would run it."""
+    done = subprocess.run([sys.executable, "-m", "lumenctl", "--endpoints",
+                           ",".join(cluster.endpoints), "--cluster", cluster.name, "status"],
+                          capture_output=True, text=True, timeout=60)
+    text = (done.stdout + done.stderr).strip()
+    return done.returncode, " / ".join(line.strip() for line in text.splitlines()[-3:])
+
+
+def first_line(text: str, *needles: str) -> str | None:
+    for line in text.splitlines():
+        if any(n in line for n in needles):
+            return line.strip()[:240]
+    return None
+
+
+def said_since(node: Node, mark: int, most: int = 2) -> str:
+    """The node's distinct WARNING/ERROR messages logged after `mark` (characters), first
+    `most` of them, without timestamps: what an operator reads in the journal."""
+    seen: list[str] = []
+    for line in node.log_text()[mark:].splitlines():
+        if " WARNING " in line or " ERROR " in line or " CRITICAL " in line:
+            text = line.split(" ", 2)[-1].split(": ", 1)[-1][:110]
+            if text not in seen:
+                seen.append(text)
+    return f"{node.name}: " + ("; ".join(seen[:most]) or "nothing") + (
+        f" (+{len(seen) - most} more)" if len(seen) > most else "")
+
+
+def add_up(row: Row, more: Row) -> None:
+    """Count `more`'s streams into `row`."""
+    row.streams += more.streams
+    row.completed += more.completed
+    row.identical += more.identical
+    row.lost += more.lost
+    row.duplicated += more.duplicated
+    row.notes += more.notes
+
+
+def etcd_disk_full(workdir: Path, tmpfs_mib: int = 200, down_s: float = 10.0) -> Row:
+    """The single etcd member's data dir is a small tmpfs; under load (8 streams, the nodes'
+    heartbeats) its free space is taken. etcd cannot commit and exits (3.4: `cannot commit
+    tx ... no space left on device`). lumend must keep serving (streams in flight identical,
+    new streams admitted by the gateways locally), say what is wrong in its log and in
+    `lumenctl status`, and recover once space is freed and etcd restarted (as systemd
+    would). The control: etcd really ran out of space (its exit and its log say so)."""
+    row = Row("etcd's disk full (its only member exits), then space freed")
+    with lab_cluster(workdir, etcd_members=1, etcd_tmpfs_mib=tmpfs_mib) as (_lab, cluster):
+        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        assert view.coordinator is not None
+        epoch = view.coordinator.epoch
+        [member] = cluster.etcd
+        assert member.proc is not None
+        etcd_log = cluster.lab.workdir / f"{member.name}.log"
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as session:
+                load = Load(cluster.nodes[0].gateway)
+                await load.start(session)
+                marks = {n.name: len(n.log_text()) for n in cluster.nodes}
+                await asyncio.to_thread(member.fill_disk, 0)
+                fault = time.monotonic()
+                while member.proc is not None and member.proc.poll() is None:
+                    if time.monotonic() - fault > 60:
+                        row.notes.append("VOID: etcd still running 60 s after its disk "
+                                         "filled")
+                        await load.finish(row)
+                        return
+                    await asyncio.sleep(0.1)
+                exited = time.monotonic()
+                why = first_line(etcd_log.read_text(errors="replace"), "no space left")
+                said = "no ENOSPC in its log" if why is None else why.split(" | ", 1)[-1]
+                row.notes.append(f"etcd exited {exited - fault:.1f} s after the fill, under "
+                                 f"the nodes' own writes ({said[:90]})")
+                if why is None:
+                    row.notes.append("VOID: etcd did not run out of space")
+                # New streams while etcd is gone: the gateways must admit them locally.
+                late = Load(cluster.nodes[1].gateway)
+                late.prompts = [f"{p} (sent while etcd is out of space)" for p in late.prompts]
+                await late.start(session)
+                await asyncio.sleep(max(0.0, down_s - (time.monotonic() - exited)))
+                code, said = await asyncio.to_thread(lumenctl_status, cluster)
+                row.notes.append(f"lumenctl status exit {code}: {said[:60]}")
+                dead = [n.name for n in cluster.nodes if n.proc and n.proc.poll() is not None]
+                row.notes.append(f"lumend exited on {dead}" if dead else
+                                 "every lumend still running")
+                row.notes.append("node logs: " + " | ".join(
+                    said_since(n, marks[n.name], most=1) for n in cluster.nodes))
+                await asyncio.to_thread(member.free_disk)
+                await asyncio.to_thread(member.start)
+                restarted = time.monotonic()
+                row.admissions_resumed_s = await until_admissions_resume(cluster, restarted, 60)
+                row.notes.append("admissions measured from etcd's restart on freed space")
+                await load.finish(row)
+                more = Row("late")
+                await late.finish(more)
+                add_up(row, more)
+                after = await asyncio.to_thread(cluster.wait, cluster.settled, 60,
+                                                "settled again")
+                assert after.coordinator is not None
+                row.notes.append(f"settled {time.monotonic() - restarted:.1f} s after the "
+                                 f"restart, epoch {epoch} -> {after.coordinator.epoch}")
+                code, said = await asyncio.to_thread(lumenctl_status, cluster)
+                row.notes.append(f"lumenctl status after: exit {code}")
+
+        asyncio.run(run())
+        row.etcd_db_bytes = cluster.db_bytes()
+        return row
+
+
+def proc_state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+
+
+def coordinator_paused_past_its_ttl(workdir: Path, pause_s: float = 10.0) -> Row:
+    """The coordinator's lumend is SIGSTOPped (its engine and the network go on) for
+    `pause_s`, past its lease TTL (3 s), with one Admit sent to it while it is stopped;
+    then SIGCONT. Another node must be elected while it sleeps; streams through another
+    gateway go on (those on its engine too); after SIGCONT the Admit queued on its socket
+    must not be answered with a target for the old epoch, and it must rejoin as a
+    follower. The control: the coordinator really was stopped (its state is T)."""
+    row = Row("coordinator's lumend SIGSTOPped past its TTL, then SIGCONT")
+    with lab_cluster(workdir, etcd_members=1) as (_lab, cluster):
+        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        assert view.coordinator is not None
+        old, epoch = cluster.node(view.coordinator.record.node), view.coordinator.epoch
+        via = next(n for n in cluster.nodes if n is not old)
+
+        async def queued_admit() -> str:
+            client = CoordinatorClient(old.rpc)
+            try:
+                admission = await client.admit(f"queued-{time.monotonic_ns()}", None, "chaos",
+                                               timeout_s=pause_s + 20)
+                return f"ANSWERED FOR THE OLD EPOCH: {admission.target}"
+            except RpcFailure as exc:
+                return f"refused ({exc.code})"
+            finally:
+                await client.close()
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as session:
+                load = Load(via.gateway)
+                await load.start(session)
+                fault = time.monotonic()
+                old.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+                await asyncio.sleep(0.1)
+                state = proc_state(old.pid)
+                if state != "T":
+                    row.notes.append(f"VOID: the coordinator is not stopped (state {state})")
+                queued = asyncio.create_task(queued_admit())
+                new = await asyncio.to_thread(
+                    cluster.wait, lambda v: v.coordinator is not None
+                    and v.coordinator.epoch > epoch, 60, "a new coordinator")
+                assert new.coordinator is not None
+                row.notes.append(f"new coordinator {new.coordinator.record.node} after "
+                                 f"{time.monotonic() - fault:.1f} s")
+                row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 30)
+                await asyncio.sleep(max(0.0, pause_s - (time.monotonic() - fault)))
+                old.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+                woke = time.monotonic()
+                row.notes.append(f"the Admit queued while it slept: {await queued}")
+                if not await old_coordinator_refuses(old):
+                    row.notes.append("THE OLD COORDINATOR STILL ANSWERS ADMIT")
+                await load.finish(row)
+                await asyncio.to_thread(cluster.wait, cluster.settled, 60,
+                                        "the old coordinator back as a follower")
+                row.notes.append(f"old coordinator a follower {time.monotonic() - woke:.1f} s "
+                                 "after SIGCONT")
+
+        asyncio.run(run())
+        row.etcd_db_bytes = cluster.db_bytes()
+        return row
+
+
+def gateway_node_killed_under_load(workdir: Path) -> Row:
+    """8 streams through each of two gateways (two nodes that are not the coordinator); one
+    of the nodes is SIGKILLed (lumend, and with it its engine). Its own clients' streams are
+    cut (their connection dies: counted apart, in the notes); the other gateway's streams
+    (some on the dead node's engine) must come out identical, and the coordinator must forget
+    the dead gateway's requests (`lumen_coordinator_requests` back to 0 once the survivors'
+    streams ended). The control: the coordinator counted them before the kill."""
+    row = Row("a gateway's node SIGKILLed under load (the other gateway's streams)")
+    with lab_cluster(workdir, etcd_members=1) as (_lab, cluster):
+        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        assert view.coordinator is not None
+        leader = cluster.node(view.coordinator.record.node)
+        victim, survivor = [n for n in cluster.nodes if n is not leader]
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as session:
+                doomed, kept = Load(victim.gateway), Load(survivor.gateway)
+                doomed.prompts = [f"{p} through the doomed gateway" for p in doomed.prompts]
+                await asyncio.gather(doomed.start(session), kept.start(session))
+                counted = await asyncio.to_thread(metric, leader, "lumen_coordinator_requests")
+                row.notes.append(f"coordinator counted {counted} requests before the kill")
+                if counted is None or counted < 2 * STREAMS:
+                    row.notes.append("VOID: the coordinator did not count both gateways' "
+                                     "streams")
+                running = await asyncio.to_thread(streams_in_flight, survivor)
+                there = sum(n for w, n in running.items() if w.startswith(victim.name + "-"))
+                row.notes.append(f"{there:.0f} of the other gateway's streams on the killed "
+                                 "node's engine")
+                fault = time.monotonic()
+                victim.proc.kill()  # type: ignore[union-attr]
+                cut = Row("cut")
+                await doomed.finish(cut)
+                row.notes.append(f"through the killed gateway: {cut.lost} of {cut.streams} "
+                                 "streams cut (its clients must retry)")
+                row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 30)
+                kept_done = asyncio.create_task(kept.finish(row))
+                # Forgotten: the coordinator counts no more than the survivors still running.
+                deadline = time.monotonic() + 60
+                left = counted
+                while time.monotonic() < deadline:
+                    alive = sum(not t.done() for t in kept.tasks)
+                    left = await asyncio.to_thread(metric, leader, "lumen_coordinator_requests")
+                    if left is not None and left <= alive:
+                        row.notes.append(f"coordinator forgot the dead gateway's requests "
+                                         f"{time.monotonic() - fault:.1f} s after the kill")
+                        break
+                    await asyncio.sleep(0.25)
+                else:
+                    row.notes.append(f"COORDINATOR STILL COUNTS {left} REQUESTS 60 s later")
+                await kept_done
+                row.notes.append(f"{survivor.log_text().count('resuming request')} of the "
+                                 "other gateway's streams resumed elsewhere")
+
+        asyncio.run(run())
+        row.etcd_db_bytes = cluster.db_bytes()
+        return row
+
+
+def packet_loss_10(workdir: Path) -> Row:
+    return packet_loss(workdir, 10)
+
+
+def packet_loss_30(workdir: Path) -> Row:
+    return packet_loss(workdir, 30)
+
+
 SCENARIOS: dict[str, Callable[[Path], Row]] = {
     "two-nodes-lost": two_nodes_lost_at_once,
     "coordinator-etcd-partition": coordinator_cut_off_from_etcd,
     "etcd-member-blackhole": etcd_member_black_holed,
     "node-peer-partition": node_cut_off_from_its_peers,
     "etcd-quorum-loss": etcd_quorum_lost_and_back,
+    "packet-loss-10": packet_loss_10,
+    "packet-loss-30": packet_loss_30,
+    "etcd-disk-full": etcd_disk_full,
+    "coordinator-paused": coordinator_paused_past_its_ttl,
+    "gateway-node-killed": gateway_node_killed_under_load,
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from .scenarios import (
     etcd_member_black_holed,
     etcd_quorum_lost_and_back,
     node_cut_off_from_its_peers,
+    packet_loss,
     two_nodes_lost_at_once,
 )
 
@@ -86,5 +88,53 @@ def test_the_lab_makes_a_black_hole_not_a_refusal(tmp_path: Path) -> None:
         assert connect() == "timeout"
         lab.heal(a, b)
         assert connect() == "connected"
+    finally:
+        lab.close()
+
+
+@pytest.mark.skipif(netlab.nft_available() is not None, reason=str(netlab.nft_available()))
+def test_streams_and_admissions_outlive_30_percent_packet_loss(tmp_path: Path) -> None:
+    """30 % of the packets between every node and etcd and between nodes vanish: streams
+    come out identical, Admit keeps being answered (elections, if any, are counted in the
+    row, not asserted), and the loss really happened (nft's counters)."""
+    row = packet_loss(tmp_path, 30, hold_s=12.0)
+    note = next(n for n in row.notes if "packets dropped" in n)
+    assert int(note.split()[0]) > 0, f"control: the loss rules dropped nothing ({row})"
+    assert row.streams == row.identical, row
+    assert not any(n.startswith("0/") for n in row.notes), f"no Admit answered ({row})"
+
+
+@pytest.mark.skipif(netlab.nft_available() is not None, reason=str(netlab.nft_available()))
+def test_the_lab_loses_the_share_of_packets_it_is_told(tmp_path: Path) -> None:
+    """The control for the loss scenarios: with 30 % loss between two hosts about that share
+    of 400 datagrams never arrives, and nft counts them; with the loss removed all arrive."""
+    lab = netlab.NetLab(tmp_path)
+    try:
+        a, b = lab.host("a"), lab.host("b")
+
+        def arrived(count: int = 400) -> int:
+            receive = (f"import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                       f"s.bind(('{a.ip}', 9001)); s.settimeout(1.5); n = 0\n"
+                       f"try:\n while True: s.recv(64); n += 1\n"
+                       f"except socket.timeout: print(n)")
+            receiver = subprocess.Popen(["ip", "netns", "exec", a.ns, sys.executable, "-c",
+                                         receive], stdout=subprocess.PIPE, text=True)
+            time.sleep(0.5)
+            send = (f"import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                    f"for _ in range({count}):\n s.sendto(b'x', ('{a.ip}', 9001)); "
+                    f"time.sleep(0.001)")
+            subprocess.run(["ip", "netns", "exec", b.ns, sys.executable, "-c", send],
+                           check=True, timeout=30)
+            out, _ = receiver.communicate(timeout=30)
+            return int(out)
+
+        assert arrived() == 400
+        lab.lossy(a, b, 30)
+        got = arrived()
+        assert 200 < got < 360, got  # 280 expected; binomial sd ~9
+        assert a.dropped() == 400 - got and b.dropped() == 0
+        lab.lossy(a, b, 0)
+        assert arrived() == 400
+        assert a.dropped() == 400 - got  # counted before the rule went, kept
     finally:
         lab.close()
