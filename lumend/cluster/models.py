@@ -116,10 +116,13 @@ PolicyMode = Literal["lumen", "fixed_checkpoint", "stop_and_restart"]
 Decisions = Literal["cost_aware", "paper"]
 
 
-class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                      omit_defaults=True):
     """Value of the `config` key: the policy tunables (DESIGN.md section 5), read by the
     coordinator every cycle and set with `lumenctl config set`. Checked by
-    lumend.coordinator.settings; absent fields take these defaults."""
+    lumend.coordinator.settings; absent fields take these defaults. Defaults are not
+    written (`omit_defaults`): a node of an older release, which refuses fields it does not
+    know, still reads a value that only sets what it knows."""
 
     alpha: float = 1.0 / (1 << 30)  # L_hat weight of one checkpoint byte held
     beta: float = 1.0  # L_hat weight of one queued request

@@ -10,7 +10,13 @@ import msgspec
 import pytest
 from msgspec.structs import replace
 
-from lumend.cluster.models import ClusterSettings, WorkerLoad, WorkerRecord, decode_value
+from lumend.cluster.models import (
+    ClusterSettings,
+    WorkerLoad,
+    WorkerRecord,
+    decode_value,
+    encode_value,
+)
 from lumend.coordinator.policy import MEAN_PROMPT_TOKENS, PolicyConfig
 from lumend.coordinator.service import CoordinatorService
 from lumend.coordinator.settings import (
@@ -126,3 +132,21 @@ def test_old_records_decode_with_the_defaults() -> None:
         b'"state": "serving", "load": {"running": 3, "waiting": 1, "kv_usage": 0.5}, '
         b'"updated_at": 1.0}', WorkerRecord)
     assert record.load.running == 3 and record.load.ckpt_running is None
+
+
+class SettingsOfRelease01(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """ClusterSettings as 0.1 nodes decode it (no `decisions`; unknown fields refused)."""
+
+    alpha: float = 1.0 / (1 << 30)
+    beta: float = 1.0
+    theta: float = 48.0
+    tau: int = 64
+    mode: str = "lumen"
+
+
+def test_a_setting_written_now_is_read_by_a_node_of_the_previous_release() -> None:
+    # During a rolling upgrade `lumenctl config set theta 40` must not write `decisions`
+    # (at its default): the old nodes would refuse the whole value and use their defaults.
+    written = encode_value(ClusterSettings(theta=40.0))
+    assert msgspec.json.decode(written) == {"theta": 40.0}
+    assert msgspec.json.decode(written, type=SettingsOfRelease01).theta == 40.0
