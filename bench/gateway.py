@@ -7,10 +7,14 @@ each over that engine; this process is the client. For each concurrency level, r
 alternate the same batch of requests direct and through each gateway. Prints, per path,
 TTFT p50/p99, the TTFT added against direct, streamed tokens/s and its ratio to direct, and
 the gateway process's CPU time per stream and per token (from /proc: robust to other load on
-the machine, unlike the wall-clock columns).
+the machine, unlike the wall-clock columns). `--baseline DIR` adds a gateway per loop from
+another checkout, in the same rounds: on a machine whose load changes from minute to minute,
+a before/after comparison measured in two runs says little.
 
     .venv/bin/python bench/gateway.py [--concurrency 1 64 512] [--tokens 64] [--rounds 3]
                                       [--loops asyncio uvloop] [--pin] [--profile PATH]
+                                      [--baseline DIR]
+    git worktree add --detach /tmp/gw-before <commit>  # a baseline to compare against
 
 Goal: <= 2 ms added TTFT p50, >= 0.95x direct tokens/s. Asserts nothing.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
@@ -26,16 +31,34 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--tree" in sys.argv:  # a gateway from another checkout (--baseline): its lumend, not ours
+    sys.path.insert(0, sys.argv[sys.argv.index("--tree") + 1])
 
-from lumenctl.localcluster import free_ports
-from lumend.gateway import eventloop
+
+def uvloop_installed() -> bool:
+    return importlib.util.find_spec("uvloop") is not None
+
+
+def run_on(main: Coroutine[Any, Any, None], loop: str) -> None:
+    """`main` on event loop `loop` (the bench's own choice, so a baseline checkout from
+    before lumend chose its loop runs on the same ones)."""
+    if loop == "uvloop":
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    else:
+        factory = asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
 
 
 def serve_engine(engine_port: int, workdir: str, time_scale: float) -> None:
@@ -92,7 +115,7 @@ def serve_gateway(gateway_port: int, record: str, loop: str, profile: str | None
         print(json.dumps({"loop": type(asyncio.get_running_loop()).__module__}), flush=True)
         await asyncio.Event().wait()
 
-    eventloop.run(main(), loop)
+    run_on(main(), loop)
 
 
 async def one(session: aiohttp.ClientSession, url: str, prompt: str,
@@ -169,8 +192,10 @@ async def measure(paths: list[Path_], levels: list[int], tokens: int, rounds: in
         for n in levels:
             for path in paths:
                 path.ttft, path.rate, path.cpu, path.streams, path.tokens = [], [], 0.0, 0, 0
-            for _ in range(rounds):
-                for path in paths:
+            for r in range(rounds):
+                # Each round in another order: a load that comes and goes on the machine
+                # hits every path alike.
+                for path in paths[r % len(paths):] + paths[:r % len(paths)]:
                     before = cpu_s(path.pid) if path.pid else 0.0
                     ttft, rate, count = await batch(session, path.url, n, tokens)
                     if path.pid:
@@ -202,7 +227,7 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.05,
                         help="the sim engine's time scale (smaller: faster engine)")
     parser.add_argument("--loops", nargs="+", choices=("asyncio", "uvloop"),
-                        default=["asyncio", "uvloop"] if eventloop.uvloop_installed()
+                        default=["asyncio", "uvloop"] if uvloop_installed()
                         else ["asyncio"],
                         help="a gateway process per event loop, measured side by side")
     parser.add_argument("--profile", metavar="PATH",
@@ -211,6 +236,10 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="the gateways alone on the last core, engine and client on the "
                         "others (as on a node whose gateway has a core of its own)")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also a gateway per loop from the checkout in DIR (say, a git "
+                        "worktree of an older commit), measured in the same rounds")
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--serve-engine", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--serve-gateway", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -221,8 +250,14 @@ def main() -> None:
         port, record, loop = args.serve_gateway
         serve_gateway(int(port), record, loop, args.profile)
         return
+    from lumenctl.localcluster import free_ports
+
     cores = sorted(os.sched_getaffinity(0))
-    ports = free_ports(1 + len(args.loops))
+    trees: list[tuple[str, str | None]] = [("gateway", None)]
+    if args.baseline:
+        trees.insert(0, ("baseline", str(Path(args.baseline).resolve())))
+    gateways = [(name, tree, loop) for name, tree in trees for loop in args.loops]
+    ports = free_ports(1 + len(gateways))
     procs: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory() as workdir:
         try:
@@ -235,22 +270,26 @@ def main() -> None:
             record = ready["record"]
             url = json.loads(record)["engines"][0]["url"]
             paths = [Path_("direct", url, None)]
-            for loop, port in zip(args.loops, ports[1:], strict=True):
-                profile = ["--profile", f"{args.profile}.{loop}"] if args.profile else []
-                gw = subprocess.Popen([sys.executable, __file__, *profile, "--serve-gateway",
+            for (name, tree, loop), port in zip(gateways, ports[1:], strict=True):
+                profile = (["--profile", f"{args.profile}.{name}.{loop}"] if args.profile
+                           else [])
+                gw = subprocess.Popen([sys.executable, __file__, *profile,
+                                       *(["--tree", tree] if tree else []), "--serve-gateway",
                                        str(port), record, loop], stdout=subprocess.PIPE,
                                       text=True)
                 procs.append(gw)
                 assert gw.stdout is not None
                 json.loads(gw.stdout.readline())
-                paths.append(Path_(f"gateway {loop}", f"http://127.0.0.1:{port}", gw.pid))
+                paths.append(Path_(f"{name} {loop}", f"http://127.0.0.1:{port}", gw.pid))
                 if args.pin:
                     os.sched_setaffinity(gw.pid, {cores[-1]})
             if args.pin:  # the gateways on the last core; engine and client on the others
                 os.sched_setaffinity(ready["pid"], set(cores[:-1]))
                 os.sched_setaffinity(0, set(cores[:-1]))
             print(f"sim engine {url} (time scale {args.time_scale}); gateways on event loops "
-                  f"{', '.join(args.loops)}; {args.tokens} tokens per stream, {args.rounds} "
+                  f"{', '.join(args.loops)}" + (f", and from {args.baseline} (baseline)"
+                                               if args.baseline else "") +
+                  f"; {args.tokens} tokens per stream, {args.rounds} "
                   f"rounds per level; " + (
                       "the gateways pinned to a core of their own, engine and client on the "
                       f"other {len(cores) - 1}" if args.pin else
