@@ -186,41 +186,52 @@ def streams_in_flight(node: Node) -> dict[str, float]:
     return found
 
 
-def metric(node: Node, name: str) -> float | None:
-    """One unlabelled sample of the node's metrics, or None if absent or unreachable."""
+def metric(node: Node, name: str, *labels: str) -> float | None:
+    """The node's samples of `name` whose labels include `labels` (`kind="x"`), summed; None
+    if absent or unreachable."""
     try:
         with urllib.request.urlopen(f"http://{node.host.ip}:{METRICS}/metrics", timeout=5) as r:
             lines = r.read().decode().splitlines()
     except OSError:
         return None
-    for line in lines:
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return None
+    found = [float(line.split()[-1]) for line in lines
+             if (not labels and line.startswith(name + " "))
+             or (line.startswith(name + "{")
+                 and all(label in line.split("}")[0] for label in labels))]
+    return sum(found) if found else None
 
 
 async def admit_works(cluster: Cluster, endpoints: list[str] | None = None) -> bool:
     """Whether the coordinator in etcd answers an Admit now."""
+    return await admit_refused(cluster, endpoints) is None
+
+
+async def admit_refused(cluster: Cluster, endpoints: list[str] | None = None) -> str | None:
+    """Why the coordinator in etcd does not answer an Admit now (None: it does)."""
     try:
         view = await asyncio.to_thread(cluster.view, endpoints)
     except Exception:
-        return False
+        return "etcd unreadable"
     if view.coordinator is None:
-        return False
+        return "no coordinator in etcd"
     client = CoordinatorClient(view.coordinator.record.rpc)
     probe = f"probe-{time.monotonic_ns()}"
     try:
         admission = await client.admit(probe, None, "chaos")
-    except RpcFailure:
+    except RpcFailure as exc:
         await client.close()
-        return False
+        if "not sure of its lease" in exc.details:
+            return f"{exc.code} (lease not sure)"
+        if "not the coordinator" in exc.details:
+            return f"{exc.code} (not the coordinator)"
+        return exc.code
     try:  # a probe is no request: the coordinator's tables keep only the real ones
         await client.finish(probe)
     except RpcFailure:
         pass
     finally:
         await client.close()
-    return admission.target is not None
+    return None if admission.target is not None else "no target"
 
 
 async def until_admissions_resume(cluster: Cluster, since: float, timeout_s: float,
@@ -444,14 +455,16 @@ class Watch:
     refused: int = 0
     longest_gap_s: float = 0.0
     terms: list[tuple[str, int]] = field(default_factory=list)
+    why: dict[str, int] = field(default_factory=dict)  # refusals by reason
 
     def elections(self) -> int:
         return max(0, len(self.terms) - 1)
 
     def notes(self) -> list[str]:
         terms = " -> ".join(f"{n}@{e}" for n, e in self.terms) or "none seen"
+        why = ", ".join(f"{n} {w}" for w, n in sorted(self.why.items()))
         return [f"{self.answered}/{self.answered + self.refused} Admit probes answered "
-                f"(longest gap {self.longest_gap_s:.1f} s)",
+                f"(longest gap {self.longest_gap_s:.1f} s{'; refused: ' + why if why else ''})",
                 f"{self.elections()} elections during the fault ({terms})"]
 
 
@@ -460,11 +473,13 @@ async def watch_while(cluster: Cluster, busy: Callable[[], bool], watch: Watch,
     """Probe Admit and read the coordinator every `period_s` while `busy()`."""
     last_answer = time.monotonic()
     while busy():
-        if await admit_works(cluster):
+        why = await admit_refused(cluster)
+        if why is None:
             watch.answered += 1
             last_answer = time.monotonic()
         else:
             watch.refused += 1
+            watch.why[why] = watch.why.get(why, 0) + 1
             watch.longest_gap_s = max(watch.longest_gap_s, time.monotonic() - last_answer)
         try:
             view = await asyncio.to_thread(cluster.view)
