@@ -216,8 +216,10 @@ class NetLab:
         b.lose_from(percent, a.ip)
 
     def close(self) -> None:
-        for host in self.hosts:
-            for proc in host.procs:
+        # Last made, first stopped: lumend nodes before the etcd they deregister from (with
+        # etcd gone first each node's stop waited out its etcd retries, then SIGKILL).
+        for host in reversed(self.hosts):
+            for proc in reversed(host.procs):
                 stop_process(proc, 5.0)
         for host in self.hosts:
             subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)
