@@ -274,7 +274,10 @@ def completion_estimates(
     survivors are overloaded."""
     queued = work(snapshot, cfg)
     weight = cfg.delay_weight
-    target = _argmin(queued)
+    # Least queued work; on a tie (counts-only views: every running request has had its
+    # prefill) the shorter queue, whose running requests share fewer steps with it.
+    live = [i for i, q in enumerate(queued) if q != math.inf]
+    target = min(live, key=lambda i: (queued[i], snapshot.queue[i])) if live else None
     recompute = math.inf
     if target is not None:
         own = recompute_s(total_tokens, cfg)

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lumend.cluster.view import ClusterView
-from lumend.coordinator.policy import LoadSnapshot, PolicyConfig, WorkerLoad, place_checkpoint
+from lumend.coordinator.policy import (
+    LoadSnapshot,
+    PolicyConfig,
+    WorkerLoad,
+    place_checkpoint,
+    queued_prefill_s,
+)
 from lumend.coordinator.policy import recover as policy_recover
 from lumend.coordinator.settings import policy_config
 
@@ -27,7 +33,10 @@ class Placement:
                           "worker": self.worker, "mode": mode}}
 
 
-def _snapshot(view: ClusterView, down: str | None) -> tuple[list[str], LoadSnapshot]:
+def _snapshot(view: ClusterView, down: str | None, cfg: PolicyConfig
+              ) -> tuple[list[str], LoadSnapshot]:
+    """The heartbeats' loads, as the coordinator reads them (lumend.coordinator.loadbook):
+    cost-aware, each worker's queued work in seconds from its request counts."""
     workers = sorted((w for w in view.workers.values() if w.node in view.nodes),
                      key=lambda w: w.name)
     names = [w.name for w in workers]
@@ -36,7 +45,9 @@ def _snapshot(view: ClusterView, down: str | None) -> tuple[list[str], LoadSnaps
                    queue=w.load.running + w.load.waiting,
                    budget_bytes=float(w.checkpoints.budget_bytes),
                    alive=w.state == "serving" and w.name != down
-                   and not any(i.kind == "drain" for i in view.intents_for(w)))
+                   and not any(i.kind == "drain" for i in view.intents_for(w)),
+                   work_s=(queued_prefill_s(w.load.running + w.load.waiting, w.load.running,
+                                            cfg) if cfg.cost_aware else None))
         for w in workers
     ])
     return names, snapshot
@@ -45,12 +56,12 @@ def _snapshot(view: ClusterView, down: str | None) -> tuple[list[str], LoadSnaps
 def place(view: ClusterView, serving: str, ckpt_id: str,
           cfg: PolicyConfig | None = None) -> Placement | None:
     """Algorithm 1 (or the configured baseline) for a request served by `serving`."""
-    names, snapshot = _snapshot(view, None)
+    cfg = cfg or policy_config(view.settings)
+    names, snapshot = _snapshot(view, None, cfg)
     if serving not in names:
         return None
     # The size is not known up front; one byte asks for a holder with any budget at all.
-    index = place_checkpoint(snapshot, names.index(serving), 1.0,
-                             cfg or policy_config(view.settings))
+    index = place_checkpoint(snapshot, names.index(serving), 1.0, cfg)
     if index is None:
         return None
     holder = view.workers[names[index]]
@@ -61,9 +72,11 @@ def route(view: ClusterView, placement: Placement | None, broken: str, prefix_to
           cfg: PolicyConfig | None = None) -> tuple[str, bool] | None:
     """Algorithm 2 (or the baseline) for a request whose worker `broken` failed: the worker
     to continue on and whether to resume there from the checkpoint."""
-    names, snapshot = _snapshot(view, broken)
+    cfg = cfg or policy_config(view.settings)
+    names, snapshot = _snapshot(view, broken, cfg)
     holder = (names.index(placement.worker)
               if placement is not None and placement.worker in names else None)
-    decision = policy_recover(snapshot, holder, prefix_tokens // BLOCK_TOKENS,
-                              cfg or policy_config(view.settings))
+    # Cost-aware: by estimated completion of the whole context, as the coordinator decides.
+    decision = policy_recover(snapshot, holder, prefix_tokens // BLOCK_TOKENS, cfg,
+                              prefix_tokens)
     return None if decision is None else (names[decision.worker], decision.resume)

@@ -66,3 +66,18 @@ def test_recovery_resumes_on_the_holder_unless_it_is_overloaded() -> None:
     assert route(busy, placement, "a0", prefix_tokens=16 * 65) == ("b0", False)
     # No checkpoint: recompute on the least-loaded survivor, never on the failed worker.
     assert route(v, None, "a0", prefix_tokens=160) == ("c0", False)
+
+
+def test_degraded_recovery_reads_queued_work_as_the_coordinator_does() -> None:
+    """Cost-aware (the default): a worker's queued work is its requests not yet running
+    (lumend.coordinator.loadbook); running ones have had their prefill. Counting them as
+    queued work, the gateway's fallback decided otherwise than the coordinator would."""
+    from msgspec.structs import replace
+
+    running = worker("b0", "b", running=4)
+    waiting = replace(worker("c0", "c"), load=WorkerLoad(running=0, waiting=2))
+    v = view(worker("a0", "a"), running, waiting)
+    assert route(v, None, "a0", prefix_tokens=160) == ("b0", False)
+    # The paper's decisions count every request in the queue.
+    paper = policy_config(ClusterSettings(decisions="paper"))
+    assert route(v, None, "a0", prefix_tokens=160, cfg=paper) == ("c0", False)
