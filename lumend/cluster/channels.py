@@ -1,5 +1,5 @@
-"""The etcd store's gRPC channels: made per endpoint, lent to calls, retired when a call on
-them fails, and closed off the event loop once no call uses them any more.
+"""The etcd store's gRPC channels: made per endpoint, lent to calls, retired when calls on
+them fail twice in a row, and closed off the event loop once no call uses them any more.
 
 Why a room of its own: grpc's `Channel.close()` can deadlock when it races calls in flight
 on the same channel or a close in another thread (grpc/grpc#19910, #20026). lumend's HA
@@ -37,6 +37,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
+# Failed calls in a row after which a channel is replaced by a fresh one (a new connection).
+RETIRE_AFTER_FAILURES = 2
+
 # A close that takes longer than this is reported (it is then likely one of grpc's
 # deadlocks: the closer thread is lost, later channels are left open, nothing else waits).
 SLOW_CLOSE_S = 10.0
@@ -50,6 +53,7 @@ class Lease:
     client: Any
     users: int = 0
     retired: bool = False
+    failures: int = 0  # calls failed on it in a row
 
 
 class ChannelPool:
@@ -100,6 +104,19 @@ class ChannelPool:
                 self._close_later(lease)
 
         call.add_done_callback(release)
+
+    def failed(self, lease: Lease) -> None:
+        """A call on `lease` failed: the second failure in a row retires it. One failure
+        keeps it: on a lossy link the connection is alive and a new one costs a handshake
+        whose lost SYN waits 1-3 s; a connection that died (a black hole) fails again."""
+        with self._lock:
+            lease.failures += 1
+            retire = lease.failures >= RETIRE_AFTER_FAILURES
+        if retire:
+            self.retire(lease)
+
+    def succeeded(self, lease: Lease) -> None:
+        lease.failures = 0
 
     def retire(self, lease: Lease) -> None:
         """No new call gets `lease`'s channel; it is closed when its last call returns."""

@@ -86,6 +86,7 @@ class LeaseKeeper:
         self._closing = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pong_at: float | None = None
+        self._ping_at: float | None = None  # when the renewal thread's last ping was posted
         self._thread_error: StoreError | None = None
         # Renewal lag: gaps between successive successful renewals (send times).
         self._last_sent: float | None = None
@@ -204,9 +205,18 @@ class LeaseKeeper:
         self._pong_at = self._clock()
 
     def _loop_answers(self) -> bool:
-        """Whether the event loop answered a ping lately (within half the confidence)."""
-        return (self._pong_at is not None
-                and self._clock() - self._pong_at < self.interval_s + self.confident_for_s / 2)
+        """Whether the event loop answered the last ping, or it has been waiting for less
+        than the limit (an interval plus half the confidence). Judged by the ping's own send
+        time: a keepalive that is merely slow (a lossy link) delays the next round, which
+        does not make the loop late (taken for a stall, it cost a renewal)."""
+        ping = self._ping_at
+        if ping is None or self._answered():
+            return True
+        return self._clock() - ping < self.interval_s + self.confident_for_s / 2
+
+    def _answered(self) -> bool:
+        return (self._ping_at is not None and self._pong_at is not None
+                and self._pong_at >= self._ping_at)
 
     def _renew_forever(self) -> None:
         loop = asyncio.new_event_loop()
@@ -217,10 +227,16 @@ class LeaseKeeper:
                 main = self._loop
                 if main is None or main.is_closed():
                     return
-                with contextlib.suppress(RuntimeError):  # closing: the next check ends us
-                    main.call_soon_threadsafe(self._pong)
+                answers = self._loop_answers()  # the ping still out, if any
+                waited = self._clock() - (self._ping_at or self._clock())
+                if answers and (self._ping_at is None or self._answered()):
+                    # A new ping only once the last was answered: one left unanswered keeps
+                    # its send time, so a wedged loop is seen however slow the rounds are.
+                    self._ping_at = self._clock()
+                    with contextlib.suppress(RuntimeError):  # closing: the next check ends us
+                        main.call_soon_threadsafe(self._pong)
                 lease = self.lease_id
-                if lease is not None and self._loop_answers():
+                if lease is not None and answers:
                     stalled = False
                     sent = self._clock()
                     try:
@@ -233,7 +249,7 @@ class LeaseKeeper:
                     stalled = True
                     log.warning("the event loop has not answered for %.1f s: lease %x is not "
                                 "renewed, so it lapses and another node can take over",
-                                self._clock() - (self._pong_at or 0.0), lease)
+                                waited, lease)
                 # The next renewal is due one interval after this one was sent.
                 self._closing.wait(max(0.0, self.interval_s - (self._clock() - started)))
         finally:

@@ -396,7 +396,9 @@ class EtcdStore:
             try:
                 with self._channels.lend(index) as lease:
                     try:
-                        return await self._in_thread(fn, lease)
+                        result = await self._in_thread(fn, lease)
+                        self._channels.succeeded(lease)
+                        return result
                     except grpc.RpcError as exc:
                         if exc.code() not in _TRANSIENT_CODES:
                             raise StoreError(f"etcd {what}: {_describe(exc)}") from exc
@@ -440,9 +442,9 @@ class EtcdStore:
         raise _Abandoned(f"no answer within {self._abandon_after_s:.0f} s (call abandoned)")
 
     def _rotate(self, lease: Lease) -> None:
-        """Retire the channel a call failed on (a fresh one, a fresh connection, replaces
-        it) and move on to the next endpoint."""
-        self._channels.retire(lease)
+        """Count the failure against the channel (retired on the second in a row: a fresh
+        one, a fresh connection, replaces it) and move on to the next endpoint."""
+        self._channels.failed(lease)
         self._current = (lease.index + 1) % len(self._specs)
 
     # -- Store ----------------------------------------------------------------------------

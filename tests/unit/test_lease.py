@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
 
 from lumend.cluster.lease import LeaseKeeper
 
@@ -63,3 +67,57 @@ def test_a_lease_unrenewed_past_its_ttl_is_given_up_even_if_no_keepalive_answers
 
     assert asyncio.run(scenario()) == [True, False]
     assert store.keepalives == 1 and not keeper.held  # the agent then grants a new lease
+
+
+class SlowStore:
+    """Keepalives answer, the second one after `slow_s` (a lossy link, a slow etcd)."""
+
+    def __init__(self, slow_s: float) -> None:
+        self.slow_s = slow_s
+        self.keepalives = 0
+
+    async def keepalive(self, lease: int) -> int:
+        self.keepalives += 1
+        if self.keepalives == 2:
+            await asyncio.sleep(self.slow_s)
+        return 3
+
+
+def _run_keeper(store: object, main_loop_work: Callable[[], Awaitable[None]]) -> LeaseKeeper:
+    keeper = LeaseKeeper(store, ttl_s=3, renew_in_thread=True)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        keeper.lease_id, keeper._renewed_at = 7, keeper._clock()
+        keeper._start_thread(asyncio.get_running_loop())
+        try:
+            await main_loop_work()
+        finally:
+            keeper._closing.set()
+
+    asyncio.run(scenario())
+    return keeper
+
+
+def test_a_slow_keepalive_is_not_taken_for_a_stalled_event_loop(
+        caplog: pytest.LogCaptureFixture) -> None:
+    store = SlowStore(slow_s=2.2)  # longer than the stall limit (1 s + half of 2 s)
+    keeper = _run_keeper(store, lambda: asyncio.sleep(5.5))  # an idle, answering loop
+    assert "has not answered" not in caplog.text
+    assert store.keepalives >= 4 and keeper.held
+    assert keeper.max_gap_s < keeper.ttl_s
+
+
+def test_a_wedged_event_loop_lets_the_lease_lapse(caplog: pytest.LogCaptureFixture) -> None:
+    store = SlowStore(slow_s=0.0)
+
+    async def wedge() -> None:
+        await asyncio.sleep(1.5)
+        before = store.keepalives
+        time.sleep(4.0)  # noqa: ASYNC251 - the loop answers nothing for longer than the limit
+        during.append(store.keepalives - before)
+        await asyncio.sleep(0.1)
+
+    during: list[int] = []
+    _run_keeper(store, wedge)
+    assert "has not answered" in caplog.text
+    assert during[0] <= 2  # renewals stop once the ping is out for longer than the limit
