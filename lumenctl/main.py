@@ -35,10 +35,10 @@ from lumenctl.report import checkpoints_document, events_document, status_docume
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import ClusterSettings, Event, Intent, decode_value, encode_value
 from lumend.cluster.store import (
-    CreateRevisionIs,
     Delete,
     EtcdStore,
     KeyValue,
+    ModRevisionIs,
     Put,
     StoreConfigError,
     StoreError,
@@ -810,30 +810,23 @@ def config_set(
             _fail(EXIT_FAILED, "cancelled")
 
     async def write(store: EtcdStore) -> str | None:
-        # Compare-and-swap on the `config` key as it was read when the change was shown:
-        # the same mod revision (or still absent). The transaction compares its create
-        # revision, so a delete and re-create in between fails it; a plain put in between
-        # is caught by the mod revision read just before it (the store has no mod-revision
-        # compare yet, so a put landing between that read and the transaction is not).
-        # None: written; otherwise what changed meanwhile.
-        now_stored = await store.get(c.keys.config)
-        changed = _config_changed(stored, now_stored, current)
-        if changed is not None:
-            return changed
+        # Compare-and-swap: one transaction, conditional on the `config` key's mod revision
+        # as it was read when the change was shown (0: still absent). A write by anyone in
+        # between fails it and nothing is written. None: written; else what changed.
         now = time.time()
         event = Event(at=now, kind="config_changed", source="lumenctl",
                       message=f"{getpass.getuser()}@{socket.gethostname()} set {key} = "
                       f"{after} (was {before})")
         event_key = c.keys.event(int(now * 1000), "lumenctl", os.getpid() % 10000)
-        revision = 0 if stored is None else stored.create_revision
-        result = await store.txn([CreateRevisionIs(c.keys.config, revision)],
+        revision = 0 if stored is None else stored.mod_revision
+        result = await store.txn([ModRevisionIs(c.keys.config, revision)],
                                  [Put(c.keys.config, encode_value(updated)),
                                   Put(event_key, encode_value(event))],
                                  read_on_failure=[c.keys.config])
         if result.succeeded:
             return None
         return _config_changed(stored, result.read.get(c.keys.config), current) or (
-            "the config key was deleted and written again")
+            "the config key was written again")
 
     changed = _run(c, write)
     if changed is not None:

@@ -85,11 +85,11 @@ def test_a_first_write_races_another_first_write(
     assert get(etcd, "tau") == "64" and get(etcd, "mode") == "fixed_checkpoint"
 
 
-@pytest.mark.xfail(strict=True, reason="the store's txn compares create revisions only "
-                   "(lumend/cluster/store.py has no mod-revision compare): a put landing "
-                   "between lumenctl's last read and its transaction is overwritten")
 def test_a_put_just_before_the_transaction_is_refused(
         etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last moment: a put landing just before lumenctl's transaction, after every read
+    it made, fails the compare on the key's mod revision and is not overwritten (the
+    create-revision compare before it let the transaction overwrite it)."""
     other_operator(etcd, "config", "set", "theta", "40", "--yes")
     txn = EtcdStore.txn
 
@@ -100,4 +100,6 @@ def test_a_put_just_before_the_transaction_is_refused(
     monkeypatch.setattr(EtcdStore, "txn", put_first)
     result = CliRunner().invoke(app, ctl_args(etcd, "config", "set", "beta", "3", "--yes"))
     monkeypatch.setattr(EtcdStore, "txn", txn)
-    assert result.exit_code == 1 and get(etcd, "theta") == "20.0", result.output
+    assert result.exit_code == 1, result.output
+    assert "theta 40.0 -> 20.0" in " ".join(result.stderr.split())
+    assert get(etcd, "theta") == "20.0" and get(etcd, "beta") == "1.0"
