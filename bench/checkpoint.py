@@ -53,6 +53,7 @@ from lumenctl.localcluster import free_ports, stop_process
 from lumend.checkpoint.holder import HolderConfig, HolderService
 from lumend.checkpoint.security import ENV_VAR, CurveKeys
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+from lumend.engine.metric_names import CKPT_REQUESTS_COMPLETE, CKPT_REQUESTS_RUNNING
 from lumend.engine.sim_checkpoint import SimCheckpointer
 from lumend.engine.sim_core import BLOCK_SIZE, FIRST_TOKEN, VOCAB, block_hashes, kv_page
 from lumend.engine.sim_models import sim_model
@@ -265,10 +266,10 @@ async def decode_round(s: Setup, session: aiohttp.ClientSession, args: argparse.
     while not all(t.done() for t in tasks):
         m = await metrics(session, s.url)
         now = time.perf_counter()
-        running = m["lumen:ckpt_requests_running"]
+        running = m[CKPT_REQUESTS_RUNNING]
         if running == args.batch and m["lumen_sim_prefill_tokens_total"] >= prefill:
             window.append((now, m["lumen_sim_steps_total"], cpu_seconds(s.engine.pid)))
-            covered.append(m["lumen:ckpt_requests_complete"] / running)
+            covered.append(m[CKPT_REQUESTS_COMPLETE] / running)
         elif window:
             break  # a request finished: the batch is no longer whole
         await asyncio.sleep(0.05)
