@@ -123,7 +123,9 @@ def global_options(
         Path(DEFAULT_CONFIG), "--config", envvar="LUMEN_CONFIG",
         help="A lumend.toml to take etcd endpoints, cluster and TLS files from, if it exists.",
     ),
-    timeout_s: float = typer.Option(2.0, "--timeout", help="Per-request etcd timeout, seconds."),
+    timeout_s: float = typer.Option(
+        2.0, "--etcd-timeout", "--timeout",
+        help="Per-request etcd timeout, seconds (--timeout: its 0.1 name)."),
     ca_cert: Path | None = typer.Option(
         None, "--ca-cert", envvar="LUMEN_ETCD_CA_CERT",
         help="CA certificate of the etcd servers, for https:// endpoints (default: "
@@ -329,10 +331,10 @@ def drain(
     ),
     wait: bool = typer.Option(
         False, "--wait", help="Show progress until no request is in flight there (exit 1, "
-        "naming what is left, if --timeout passes first)."),
+        "naming what is left, if --wait-timeout passes first)."),
     timeout_s: float = typer.Option(
-        300.0, "--timeout", min=0.0, help="Seconds --wait waits (this command's option; "
-        "`lumenctl --timeout` before the command is the etcd request timeout)."),
+        300.0, "--wait-timeout", "--timeout", min=0.0,
+        help="Seconds --wait waits (--timeout: its 0.1 name)."),
     reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     force: bool = typer.Option(
@@ -949,7 +951,7 @@ def _fail(code: int, message: str) -> NoReturn:
 
 # Global options that take a value, and the commands with an -o/--output of their own.
 _GLOBAL_VALUED = frozenset({"--endpoints", "--cluster", "--output", "-o", "--config",
-                            "--timeout", "--ca-cert", "--cert", "--key"})
+                            "--etcd-timeout", "--timeout", "--ca-cert", "--cert", "--key"})
 _OWN_OUTPUT = frozenset({"sim"})
 
 

@@ -182,7 +182,7 @@ def test_drain_lets_streams_finish_and_sends_new_requests_elsewhere(
             view = await asyncio.to_thread(view_of, cluster)
             before = engines_total(view, VICTIM, "lumen_sim_requests_total")
             assert before >= 1, "no stream runs on the victim: the test is void"
-            drain = lumenctl(cluster, "drain", VICTIM, "--yes", "--wait", "--timeout", "90")
+            drain = lumenctl(cluster, "drain", VICTIM, "--yes", "--wait", "--wait-timeout", "90")
             await asyncio.to_thread(wait_until, lambda: drain_seen(cluster), 20,
                                     "the drain intent seen by the node and the coordinator")
             # New requests, while the victim's streams are still running: none goes there.

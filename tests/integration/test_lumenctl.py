@@ -128,10 +128,11 @@ def test_malformed_values_are_reported_and_skipped(cluster: LocalCluster) -> Non
     assert all(n.running for n in cluster.nodes)
 
 
-def test_etcd_unreachable_exits_3_naming_the_endpoints() -> None:
+@pytest.mark.parametrize("flag", ["--etcd-timeout", "--timeout"])  # the name, its 0.1 name
+def test_etcd_unreachable_exits_3_naming_the_endpoints(flag: str) -> None:
     port_a, port_b = free_ports(2)
     endpoints = f"http://127.0.0.1:{port_a},http://127.0.0.1:{port_b}"
-    result = lumenctl(None, "--timeout", "0.5", "status", endpoints=endpoints)
+    result = lumenctl(None, flag, "0.5", "status", endpoints=endpoints)
     assert result.returncode == 3
     assert f"127.0.0.1:{port_a}" in result.stderr and f"127.0.0.1:{port_b}" in result.stderr
     assert "Traceback" not in result.stderr
