@@ -386,6 +386,15 @@ class EtcdHygieneCollector(Collector):
         for name in agent.alarms:
             alarm.add_metric([name], 1)
         yield alarm
+        lease = agent.lease
+        yield CounterMetricFamily("lumen_lease_renewals", "Successful keepalives of this "
+                                  "node's etcd lease.", value=lease.renewals)
+        yield _gauge("lumen_lease_renewal_lag_seconds", "The longest a renewal of this node's "
+                     "lease came after its schedule (every TTL/3) since lumend started; "
+                     "near TTL/3 x 2 the lease is at risk.", lease.lag_s)
+        yield _gauge("lumen_lease_seconds_since_renewal", "Seconds since the last successful "
+                     "renewal of this node's lease was sent (+Inf: no lease).",
+                     lease.seconds_since_renewal())
         yield CounterMetricFamily(
             "lumen_agent_unknown_epoch_refused", "Agent commands refused because their epoch "
             "was higher than any seen and etcd did not confirm it as the coordinator's.",

@@ -10,15 +10,18 @@ from prometheus_client.registry import Collector
 from lumend.coordinator.commands import AgentCommands
 from lumend.coordinator.service import CoordinatorService
 from lumend.rpc.agent_service import AgentService
+from lumend.rpc.server import CoordinatorServicer
 
 
 class RpcCollector(Collector):
     def __init__(self, agent: AgentService,
                  coordinator: Callable[[], CoordinatorService | None],
-                 commands: AgentCommands | None = None) -> None:
+                 commands: AgentCommands | None = None,
+                 servicer: CoordinatorServicer | None = None) -> None:
         self._agent = agent
         self._coordinator = coordinator
         self._commands = commands
+        self._servicer = servicer
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
@@ -55,3 +58,12 @@ class RpcCollector(Collector):
             requests.add_metric([], len(service.requests))
         yield decisions
         yield requests
+        refused = CounterMetricFamily(
+            "lumen_coordinator_calls_refused", "Admit, Finish, Recover and Progress calls this "
+            "node refused, by why: lease (its coordinator was not sure of its lease: etcd "
+            "slow or unreachable), not_coordinator (the caller's view was stale).",
+            labels=["why"])
+        for why in ("lease", "not_coordinator"):
+            refused.add_metric([why], 0 if self._servicer is None
+                               else self._servicer.refused.get(why, 0))
+        yield refused

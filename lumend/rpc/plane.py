@@ -42,9 +42,8 @@ class ControlPlane:
         self.coordinator: CoordinatorService | None = None
         self.service = AgentService(config.node.name, agent.fence, workers,
                                     lambda: agent.status, failover, drained)
-        self.server = RpcServer(self.service,
-                                CoordinatorServicer(lambda: self.coordinator, self._following),
-                                tls)
+        servicer = CoordinatorServicer(lambda: self.coordinator, self._following)
+        self.server = RpcServer(self.service, servicer, tls)
         # A recovery waits about one lease TTL for a successor when the coordinator dies.
         self.link = CoordinatorLink(
             config.node.name, lambda: agent.view, tls,
@@ -54,7 +53,8 @@ class ControlPlane:
         self.commands = AgentCommands(tls)
         agent.lead_duties.append(self.commands.duty)
         self.collectors = (CoordinatorLinkCollector(self.link),
-                           RpcCollector(self.service, lambda: self.coordinator, self.commands))
+                           RpcCollector(self.service, lambda: self.coordinator, self.commands,
+                                        servicer))
         agent.role_listeners += [self._role_changed, self.commands.role_changed]
 
     def _role_changed(self, epoch: int | None) -> None:

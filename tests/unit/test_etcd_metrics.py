@@ -28,5 +28,11 @@ def test_hygiene_metrics_expose_the_agents_counters() -> None:
                  "lumen_events_trim_failures_total 2.0", "lumen_etcd_db_size_bytes 5.24288e+06",
                  'lumen_etcd_alarm{alarm="NOSPACE"} 1.0',
                  "lumen_agent_unknown_epoch_refused_total 3.0",
-                 "lumen_etcd_compaction_failures_total 0.0"):
+                 "lumen_etcd_compaction_failures_total 0.0",
+                 "lumen_lease_renewals_total 0.0", "lumen_lease_renewal_lag_seconds 0.0",
+                 "lumen_lease_seconds_since_renewal +Inf"):
+        assert line in text, (line, text)
+    agent.lease.renewals, agent.lease.max_gap_s = 5, agent.lease.interval_s + 0.75
+    text = generate_latest(registry).decode()
+    for line in ("lumen_lease_renewals_total 5.0", "lumen_lease_renewal_lag_seconds 0.75"):
         assert line in text, (line, text)
