@@ -88,7 +88,7 @@ def nodes(etcd: EtcdCluster, bpe_llama: Path, tmp_path: Path,  # noqa: F811
         yield started
     finally:
         for n in started:
-            n.stop()
+            n.stop(grace_s=60)  # lumend stops its vLLM engines first (drain_s + their 10 s)
 
 
 @dataclass

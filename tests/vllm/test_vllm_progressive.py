@@ -64,7 +64,7 @@ def nodes(etcd: EtcdCluster, tiny_llama: Path, vllm_env: None,  # noqa: F811
         yield started
     finally:
         for n in started:
-            n.stop()
+            n.stop(grace_s=60)  # lumend stops its vLLM engines first (drain_s + their 10 s)
 
 
 async def complete(session: aiohttp.ClientSession, base: str, prompt: str,
