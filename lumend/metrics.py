@@ -253,6 +253,12 @@ class GatewayCollector(Collector):
             "lumen_gateway_restarts", "Resumes recomputed from the request's start (guided "
             "decoding, or no clean text boundary), skipping what the client had.",
             value=c.restarts)
+        yield CounterMetricFamily(
+            "lumen_gateway_pool_waits", "Requests that waited for a connection to an engine "
+            "because the pool (2 x max_streams) was full.", value=c.pool.waits)
+        yield CounterMetricFamily(
+            "lumen_gateway_pool_timeouts", "Requests whose wait for an engine connection ran "
+            "out (5 s; treated like an unreachable engine).", value=c.pool.timeouts)
         keys = self._gateway.api_keys
         yield _gauge("lumen_gateway_api_keys", "API keys the gateway accepts; 0: none "
                      "configured, the API is open.", len(keys) if keys is not None else 0)

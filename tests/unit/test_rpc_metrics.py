@@ -1,4 +1,4 @@
-"""The coordinator's refusals reach /metrics (lumen_coordinator_calls_refused_total): an
+"""The coordinator's refusals and the gateway's engine-pool waits reach /metrics: an
 operator sees a coordinator refusing calls because it is not sure of its lease (etcd slow or
 unreachable) apart from callers whose view is stale."""
 
@@ -30,3 +30,18 @@ def test_refused_calls_are_exported_by_why() -> None:
     text = generate_latest(registry).decode()
     assert 'lumen_coordinator_calls_refused_total{why="lease"} 4.0' in text
     assert 'lumen_coordinator_calls_refused_total{why="not_coordinator"} 1.0' in text
+
+
+def test_the_gateways_pool_waits_and_timeouts_are_exported() -> None:
+    from lumend.cluster.view import ClusterView
+    from lumend.gateway.server import Gateway, GatewayTiming
+    from lumend.metrics import GatewayCollector
+
+    gateway = Gateway(lambda: ClusterView(cluster="t", revision=0, workers={}),
+                      GatewayTiming())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(gateway))
+    gateway.counters.pool.waits, gateway.counters.pool.timeouts = 7, 2
+    text = generate_latest(registry).decode()
+    assert "lumen_gateway_pool_waits_total 7.0" in text
+    assert "lumen_gateway_pool_timeouts_total 2.0" in text
