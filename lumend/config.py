@@ -195,6 +195,9 @@ class GatewaySection(msgspec.Struct, frozen=True, kw_only=True):
     resume_within_s: float = 120.0  # an interrupted request is given up this long after
     max_streams: int = 1024  # engine streams open at once; more requests get 503
     client_write_s: float = 30.0  # a client that reads nothing for this long is dropped
+    # Engine connections are pooled (2 x max_streams); a request that finds the pool full
+    # waits this long for one, then fails over like an unreachable engine.
+    pool_wait_s: float = 5.0
     # A stopping lumend (SIGTERM) refuses new requests and reports not ready (/ready 503) at
     # once, then lets streams in flight finish for at most drain_s before it stops its
     # engines; 0: stop them at once. Keep it below systemd's TimeoutStopSec (90 s).
@@ -345,7 +348,8 @@ _CHECKPOINT_KEYS = ("listen", "budget_bytes", "eviction", "keys", "insecure")
 _CURVE_KEYS_EXAMPLE = "/etc/lumen/checkpoint.keys"
 _WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "assist",
                 "kv_cache_bytes", "args", "port")
-_GATEWAY_TIMES = ("first_token_s", "token_timeout_s", "resume_within_s", "client_write_s")
+_GATEWAY_TIMES = ("first_token_s", "token_timeout_s", "resume_within_s", "client_write_s",
+                  "pool_wait_s")
 _SERVICES = {  # section -> (its keys, default listen address)
     "gateway": (("listen", "api_keys", *_GATEWAY_TIMES, "max_streams", "drain_s"),
                 _GATEWAY_LISTEN),

@@ -27,6 +27,16 @@ def test_drain_s_default_zero_and_bounds() -> None:
     assert "a number" in caught.value.problems[0].fix
 
 
+def test_pool_wait_s_default_and_bounds() -> None:
+    assert parse_config(config_text()).gateway.pool_wait_s == 5.0
+    assert parse_config(config_text(gateway={"pool_wait_s": 0.5})).gateway.pool_wait_s == 0.5
+    for bad in (0, -1):
+        with pytest.raises(ConfigError) as caught:
+            parse_config(config_text(gateway={"pool_wait_s": bad}))
+        [problem] = caught.value.problems
+        assert problem.key == "gateway.pool_wait_s" and "pool_wait_s = 5" in problem.fix
+
+
 def check_config(tmp_path: Path, model: str, *flags: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "lumend.toml"
     path.write_text(config_text(workers=[worker(engine="vllm", model=model)]))
