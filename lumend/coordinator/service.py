@@ -219,7 +219,6 @@ class CoordinatorService:
         worker = table.workers[route.worker]
         kind: Literal["resume", "recompute"] = "resume" if route.resume else "recompute"
         self.decisions[kind] += 1
-        self.book.admit(ask.request_id, worker.name, checkpoint, ask.gateway, view)
         if checkpoint is None:
             why = "no checkpoint"
         elif holder is None:
@@ -243,6 +242,8 @@ class CoordinatorService:
             self.decisions["migrate"] += 1
         reason = f"{kind} on {worker.name} after {ask.failed_worker} {left}: {why}"
         log.info("recovery of %s: %s", ask.request_id, reason)
+        # After the reason: admitting changes the table's live columns the estimates read.
+        self.book.admit(ask.request_id, worker.name, checkpoint, ask.gateway, view)
         self._plan(view, ask.failed_worker, "drained" if left == "is drained" else "failed",
                    RecoveryDecision(request=ask.request_id, target=worker.name, action=kind,
                                     reason=reason, at=time.time(), epoch=self.epoch,

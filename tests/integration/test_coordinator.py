@@ -237,12 +237,14 @@ def test_admit_and_recover_are_served_by_the_elected_coordinator(
             second = await client.admit("req-2", "sim-small", "test")
             assert second.target is not None
             assert second.target.worker != admission.target.worker
-            # Recover: the holder is idle and the prefix long enough, so resume there.
-            ask = RecoverAsk("req-1", serving.name, 64, "sim-small", admission.checkpoint,
+            # Recover: the prefix is long (4096 tokens: 0.4 s to recompute, by the cost
+            # model), so resume at the holder even with req-2 queued there (0.12 s).
+            ask = RecoverAsk("req-1", serving.name, 4096, "sim-small", admission.checkpoint,
                              "test")
             recovery = await client.recover(ask)
-            assert recovery.epoch == epoch and recovery.resume
+            assert recovery.epoch == epoch and recovery.resume, recovery.reason
             assert recovery.target is not None and recovery.target.worker == holder.name
+            assert f"resume on {holder.name}" in recovery.reason
             assert (await client.finish("req-1"))[1] is True
             assert (await client.finish("req-1"))[1] is False
             # Negative control: a node that is not the coordinator refuses and names it.
