@@ -71,7 +71,9 @@ def test_2000_events_and_200_joins_in_one_cycle_elect_one_coordinator_that_stays
             assert leaders[0].trim_failures == 0
 
             events = await store.get_prefix(KEYS.events)
-            assert len(events.kvs) == EVENTS_KEPT
+            # The newest 1000 as of the trim, and what the agents wrote since (an election, a
+            # join under load; the next trim takes them).
+            assert EVENTS_KEPT <= len(events.kvs) <= EVENTS_KEPT + 10, len(events.kvs)
             joined = [kv for kv in events.kvs if b'"kind":"node_joined"' in kv.value]
             assert len(joined) == JOINS + 2  # the 200 and the two agents' own nodes
             # The oldest were dropped, the newest kept (keys sort by time).
