@@ -270,6 +270,19 @@ def lab_cluster(workdir: Path, etcd_members: int, etcd_tmpfs_mib: int | None = N
         lab.close()
 
 
+async def new_coordinator_and_admissions(cluster: Cluster, epoch: int, fault: float,
+                                         row: Row) -> None:
+    """Wait for a coordinator of a later term than `epoch`, then for admissions to resume;
+    both noted in `row`, measured from `fault`."""
+    new = await asyncio.to_thread(
+        cluster.wait, lambda v: v.coordinator is not None and v.coordinator.epoch > epoch,
+        60, "a new coordinator")
+    assert new.coordinator is not None
+    row.notes.append(f"new coordinator {new.coordinator.record.node} after "
+                     f"{time.monotonic() - fault:.1f} s")
+    row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 30)
+
+
 def coordinator_cut_off_from_etcd(workdir: Path, hold_s: float = 30.0) -> Row:
     """The coordinator's node loses etcd (a black hole, its peers still reachable). Its term
     must end (it stops answering Admit) and another node must be elected; streams through
@@ -290,13 +303,7 @@ def coordinator_cut_off_from_etcd(workdir: Path, hold_s: float = 30.0) -> Row:
                 fault = time.monotonic()
                 for member in cluster.etcd:
                     lab.black_hole(old.host, member.host)
-                new = await asyncio.to_thread(
-                    cluster.wait, lambda v: v.coordinator is not None
-                    and v.coordinator.epoch > epoch, 60, "a new coordinator")
-                assert new.coordinator is not None
-                row.notes.append(f"new coordinator {new.coordinator.record.node} after "
-                                 f"{time.monotonic() - fault:.1f} s")
-                row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 30)
+                await new_coordinator_and_admissions(cluster, epoch, fault, row)
                 if not await old_coordinator_refuses(old):
                     row.notes.append("THE OLD COORDINATOR STILL ANSWERS ADMIT")
                 await load.finish(row)
@@ -684,13 +691,7 @@ def coordinator_paused_past_its_ttl(workdir: Path, pause_s: float = 10.0) -> Row
                 if state != "T":
                     row.notes.append(f"VOID: the coordinator is not stopped (state {state})")
                 queued = asyncio.create_task(queued_admit())
-                new = await asyncio.to_thread(
-                    cluster.wait, lambda v: v.coordinator is not None
-                    and v.coordinator.epoch > epoch, 60, "a new coordinator")
-                assert new.coordinator is not None
-                row.notes.append(f"new coordinator {new.coordinator.record.node} after "
-                                 f"{time.monotonic() - fault:.1f} s")
-                row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 30)
+                await new_coordinator_and_admissions(cluster, epoch, fault, row)
                 await asyncio.sleep(max(0.0, pause_s - (time.monotonic() - fault)))
                 old.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
                 woke = time.monotonic()
