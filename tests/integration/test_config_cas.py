@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,19 +39,27 @@ def get(etcd: EtcdCluster, key: str) -> str:
     return result.output.strip()
 
 
-def test_a_change_between_the_diff_and_the_write_is_refused(
-        etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    other_operator(etcd, "config", "set", "theta", "40", "--yes")
+def someone_writes_meanwhile(etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch, key: str,
+                             value: str) -> Callable[..., Any]:
+    """Once lumenctl has read the settings (and parses the new value), another operator sets
+    `key`; returns the real parse function, to put back."""
     parse = settings_module.parse_setting
 
     def parse_then_someone_else_writes(*a: Any) -> Any:
-        # lumenctl has read the settings (theta 40) and is about to show the diff and ask:
-        # meanwhile another operator sets theta.
         updated = parse(*a)
-        other_operator(etcd, "config", "set", "theta", "32", "--yes")
+        other_operator(etcd, "config", "set", key, value, "--yes")
         return updated
 
     monkeypatch.setattr(settings_module, "parse_setting", parse_then_someone_else_writes)
+    return parse
+
+
+def test_a_change_between_the_diff_and_the_write_is_refused(
+        etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    other_operator(etcd, "config", "set", "theta", "40", "--yes")
+    # lumenctl has read the settings (theta 40) and is about to show the diff and ask:
+    # meanwhile another operator sets theta.
+    parse = someone_writes_meanwhile(etcd, monkeypatch, "theta", "32")
     result = CliRunner().invoke(app, ctl_args(etcd, "config", "set", "beta", "3", "--yes"))
     assert result.exit_code == 1, result.output
     assert "+ beta = 3.0" in result.stdout  # the diff was shown against theta 40 ...
@@ -70,14 +79,7 @@ def test_a_change_between_the_diff_and_the_write_is_refused(
 def test_a_first_write_races_another_first_write(
         etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """No config key yet (all defaults): one created in between is a change too."""
-    parse = settings_module.parse_setting
-
-    def parse_then_someone_else_writes(*a: Any) -> Any:
-        updated = parse(*a)
-        other_operator(etcd, "config", "set", "mode", "fixed_checkpoint", "--yes")
-        return updated
-
-    monkeypatch.setattr(settings_module, "parse_setting", parse_then_someone_else_writes)
+    someone_writes_meanwhile(etcd, monkeypatch, "mode", "fixed_checkpoint")
     result = CliRunner().invoke(app, ctl_args(etcd, "config", "set", "tau", "80", "--yes"))
     assert result.exit_code == 1, result.output
     message = " ".join(result.stderr.split())
