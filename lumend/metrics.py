@@ -148,6 +148,10 @@ class EngineCollector(Collector):
                                   "started again.", labels=["worker"])
         seconds = HistogramMetricFamily("lumen_failover_seconds", "From losing the active "
                                         "engine to a shadow serving.", labels=["worker"])
+        log_free = GaugeMetricFamily("lumen_engine_log_free_bytes", "Bytes free on the disk "
+                                     "of the worker's engine logs (state_dir/logs); below "
+                                     "1 MiB what the engines write is lost.",
+                                     labels=["worker"])
         for sup in supervisors:
             worker = sup.worker.name
             for slot in sup.slots:
@@ -163,7 +167,9 @@ class EngineCollector(Collector):
                        for b in FAILOVER_BUCKETS]
             buckets.append(("+Inf", float(len(c.failover_seconds))))
             seconds.add_metric([worker], buckets, sum_value=sum(c.failover_seconds))
-        yield from (state, failovers, restarts, hung, gms, seconds)
+            if sup.log_dir_free is not None:
+                log_free.add_metric([worker], float(sup.log_dir_free))
+        yield from (state, failovers, restarts, hung, gms, seconds, log_free)
 
 
 class CheckpointCollector(Collector):
@@ -262,15 +268,7 @@ class GatewayCollector(Collector):
         keys = self._gateway.api_keys
         yield _gauge("lumen_gateway_api_keys", "API keys the gateway accepts; 0: none "
                      "configured, the API is open.", len(keys) if keys is not None else 0)
-        latency = self._gateway.latency
-        for name, buckets, what in (
-            ("ttft", latency.ttft, "From a request's arrival to its first token sent."),
-            ("tpot", latency.tpot, "Mean time between a request's tokens (per request)."),
-            ("recovery", latency.recovery, "From an upstream breaking mid-stream to the "
-             "next token sent to the client (resume or recompute included)."),
-        ):
-            yield HistogramMetricFamily(f"lumen_gateway_{name}_seconds", what,
-                                        buckets=buckets.cumulative(), sum_value=buckets.total)
+        yield from self._gateway.latency.families()  # by model_name
 
 
 def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFamily:

@@ -42,6 +42,10 @@ from lumend.failover.lifeline import kill_group, reap_orphans, supervisor_env
 
 log = logging.getLogger("lumend.failover")
 
+# Below this free on the engines' log dir (lumend's state_dir/logs) what they write is lost:
+# their startup, their errors, the reason they exit (which lumend's own log quotes).
+LOG_DISK_FULL_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class SupervisorTiming:
@@ -165,6 +169,10 @@ class WorkerSupervisor:
         self._gpu_total: int | None = None
         self._gms_started = self._gms_restart_at = self._gms_backoff_s = 0.0
         self._waiting_logged: str | None = None
+        # Bytes free where the engines' logs go (read each second; None: unreadable).
+        self.log_dir_free: int | None = None
+        self._log_disk_at = 0.0
+        self._log_disk_full = False
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -192,6 +200,7 @@ class WorkerSupervisor:
 
     async def tick(self, session: aiohttp.ClientSession) -> None:
         now = time.monotonic()
+        self._watch_log_disk(now)
         self._keep_gms()
         for slot in self.slots:
             if slot.proc is not None and not slot.alive:
@@ -275,6 +284,29 @@ class WorkerSupervisor:
         except (GmsError, OSError):
             return 0
         return int(stats["bytes"]) if stats.get("state") in ("committed", "ro") else 0
+
+    def _watch_log_disk(self, now: float) -> None:
+        """Each second, the space free where the engines' logs go: a warning when it runs
+        out (engines go on serving; what they write is lost) and a line when it is back."""
+        if now < self._log_disk_at:
+            return
+        self._log_disk_at = now + 1.0
+        try:
+            st = os.statvfs(self.log_dir)
+        except OSError:
+            self.log_dir_free = None
+            return
+        self.log_dir_free = st.f_bavail * st.f_frsize
+        full = self.log_dir_free < LOG_DISK_FULL_BYTES
+        if full and not self._log_disk_full:
+            log.warning("worker %s: the disk of its engines' logs (%s) is full, %d bytes "
+                        "free: engines go on serving, but what they write is lost, the "
+                        "reason they exit included; free space there (lumend's state_dir)",
+                        self.worker.name, self.log_dir, self.log_dir_free)
+        elif self._log_disk_full and not full:
+            log.info("worker %s: the disk of its engines' logs (%s) has space again "
+                     "(%d bytes free)", self.worker.name, self.log_dir, self.log_dir_free)
+        self._log_disk_full = full
 
     def _start_engine(self, slot: EngineSlot, now: float) -> None:
         spec = self._memory_plan(slot.spec)

@@ -8,7 +8,7 @@ hosts (a rule on each) answers nothing, refuses nothing: connections hang until 
 timeouts, as across a failed switch, not a closed port. A host's link set down cuts it off
 from everything. This kernel has no `tc netem`: loss is made with nftables instead (a rule
 on a host's input that drops a random share of what another host sends it, with a counter
-that proves it dropped); delay is not modelled.
+that proves it dropped); delay is made by a userspace TCP relay (`DelayProxy`).
 
 Everything is made by the lab and removed by `close()` (namespaces, links and the root
 side's address); processes started in it are stopped by their own pid.
@@ -84,11 +84,15 @@ class Host:
     loss: dict[str, int] = field(default_factory=dict)
     dropped_before: int = 0  # drops counted by rules since replaced
 
-    def popen(self, cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    def popen(self, cmd: Sequence[str], log: Path,
+              mounts: Tmpfs | None = None) -> subprocess.Popen[bytes]:
         """Start `cmd` in this namespace (`ip netns exec` execs it: the pid is the
-        process's own)."""
+        process's own); with `mounts`, in the mount namespace that tmpfs is mounted in
+        (nsenter execs it)."""
+        prefix = (["ip", "netns", "exec", self.ns] if mounts is None
+                  else ["nsenter", "-t", str(mounts.holder_pid), "-m", "-n"])
         with log.open("ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *cmd], stdout=out,
+            proc = subprocess.Popen([*prefix, *cmd], stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -229,72 +233,84 @@ class NetLab:
 
 
 @dataclass
+class Tmpfs:
+    """A tmpfs of `mib` MiB at `path`, mounted in the mount namespace of a holder process
+    on `host` (`ip netns exec` gives it one of its own): processes started in it (through
+    `Host.popen(..., mounts=)`) see it, nothing else does, and it is gone with the holder,
+    which outlives them (they can be restarted on the same files, as systemd would). A disk
+    that can be filled."""
+
+    host: Host
+    path: Path
+    mib: int
+    holder: subprocess.Popen[bytes] | None = None
+
+    def mount(self) -> Tmpfs:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.holder = self.host.popen(
+            ["sh", "-c", f'mount -t tmpfs -o size={self.mib}m lab "$0" && exec sleep infinity',
+             str(self.path)], self.host.lab.workdir / f"{self.host.name}.mount.log")
+        deadline = time.monotonic() + 10
+        while self.run("stat", "-f", "-c", "%T", str(self.path)).stdout.strip() != "tmpfs":
+            if self.holder.poll() is not None or time.monotonic() > deadline:
+                raise LabUnavailable(f"no tmpfs at {self.path}: see {self.host.name}.mount.log")
+            time.sleep(0.05)
+        return self
+
+    @property
+    def holder_pid(self) -> int:
+        assert self.holder is not None, "mount() first"
+        return self.holder.pid
+
+    @property
+    def filler(self) -> Path:
+        return self.path / "filler"  # on the tmpfs, beside what its users write
+
+    def run(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        """`cmd` in the mount namespace the tmpfs is mounted in."""
+        return subprocess.run(["nsenter", "-t", str(self.holder_pid), "-m", *cmd],
+                              capture_output=True, text=True)
+
+    def free(self) -> int:
+        """Bytes free on the tmpfs."""
+        done = self.run("stat", "-f", "-c", "%a %S", str(self.path))
+        if done.returncode != 0:
+            raise RuntimeError(f"stat in the tmpfs's mounts: {done.stderr.strip()}")
+        blocks, size = done.stdout.split()
+        return int(blocks) * int(size)
+
+    def fill(self, leave_bytes: int = 0) -> None:
+        """Take the free space but `leave_bytes` (a file beside what is there)."""
+        size = max(0, self.free() - leave_bytes)
+        done = self.run("fallocate", "-l", str(size), str(self.filler))
+        if done.returncode != 0:
+            raise RuntimeError(f"fallocate in the tmpfs's mounts: {done.stderr.strip()}")
+
+    def unfill(self) -> None:
+        self.run("rm", "-f", str(self.filler))
+
+
+@dataclass
 class EtcdMember:
     host: Host
     name: str
     proc: subprocess.Popen[bytes] | None = None
     data_dir: Path | None = None
     tmpfs_mib: int | None = None  # the data dir is a tmpfs of this size, etcd's alone
-
     argv: list[str] = field(default_factory=list)
-    # With a tmpfs: a process that holds the mount namespace the tmpfs is mounted in, so
-    # that it outlives etcd (etcd can be restarted on the same data, as systemd would).
-    mounts: subprocess.Popen[bytes] | None = None
+    tmpfs: Tmpfs | None = None  # mounted at the first start, kept across restarts
 
     def start(self) -> None:
         """Start (or restart) etcd on its data dir."""
         assert self.data_dir is not None
         log = self.host.lab.workdir / f"{self.name}.log"
-        if self.tmpfs_mib is None:
-            self.proc = self.host.popen(self.argv, log)
-            return
-        if self.mounts is None:  # `ip netns exec` gives the holder a mount namespace
-            self.data_dir.mkdir(parents=True, exist_ok=True)
-            self.mounts = self.host.popen(
-                ["sh", "-c", f'mount -t tmpfs -o size={self.tmpfs_mib}m lab "$0" '
-                             "&& exec sleep infinity", str(self.data_dir)],
-                self.host.lab.workdir / f"{self.name}.mount.log")
-            deadline = time.monotonic() + 10
-            while self._in_mounts("stat", "-f", "-c", "%T", str(self.data_dir)
-                                  ).stdout.strip() != "tmpfs":
-                if self.mounts.poll() is not None or time.monotonic() > deadline:
-                    raise LabUnavailable(f"no tmpfs for {self.name}'s data dir: see "
-                                         f"{self.name}.mount.log")
-                time.sleep(0.05)
-        with log.open("ab") as out:  # nsenter execs etcd: the pid is etcd's own
-            self.proc = subprocess.Popen(
-                ["nsenter", "-t", str(self.mounts.pid), "-m", "-n", *self.argv], stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True)
-        self.host.procs.append(self.proc)
+        if self.tmpfs_mib is not None and self.tmpfs is None:
+            self.tmpfs = Tmpfs(self.host, self.data_dir, self.tmpfs_mib).mount()
+        self.proc = self.host.popen(self.argv, log, mounts=self.tmpfs)
 
-    @property
-    def filler(self) -> Path:
-        assert self.data_dir is not None
-        return self.data_dir / "filler"  # on the tmpfs, beside etcd's member/
-
-    def _in_mounts(self, *cmd: str) -> subprocess.CompletedProcess[str]:
-        """`cmd` in the mount namespace the member's tmpfs is mounted in."""
-        assert self.mounts is not None
-        return subprocess.run(["nsenter", "-t", str(self.mounts.pid), "-m", *cmd],
-                              capture_output=True, text=True)
-
-    def disk_free(self) -> int:
-        """Bytes free on the member's data dir (its tmpfs)."""
-        done = self._in_mounts("stat", "-f", "-c", "%a %S", str(self.data_dir))
-        if done.returncode != 0:
-            raise RuntimeError(f"stat in etcd's mounts: {done.stderr.strip()}")
-        blocks, size = done.stdout.split()
-        return int(blocks) * int(size)
-
-    def fill_disk(self, leave_bytes: int = 0) -> None:
-        """Take the data dir's free space but `leave_bytes` (a file beside etcd's own)."""
-        size = max(0, self.disk_free() - leave_bytes)
-        done = self._in_mounts("fallocate", "-l", str(size), str(self.filler))
-        if done.returncode != 0:
-            raise RuntimeError(f"fallocate in etcd's mounts: {done.stderr.strip()}")
-
-    def free_disk(self) -> None:
-        self._in_mounts("rm", "-f", str(self.filler))
+    def disk(self) -> Tmpfs:
+        assert self.tmpfs is not None, "the member has no tmpfs"
+        return self.tmpfs
 
     @property
     def client_url(self) -> str:
@@ -339,6 +355,48 @@ def start_etcd(lab: NetLab, size: int, tmpfs_mib: int | None = None) -> list[Etc
         time.sleep(0.2)
 
 
+DELAY_PROXY = Path(__file__).with_name("delayproxy.py")
+
+
+@dataclass
+class DelayProxy:
+    """A TCP relay on `host` from `listen` to `target` (ip:port each) that delays what it
+    carries by the one-way delay it is set to (`delayproxy.py`): where a client's path to a
+    server goes through it, their round trip is 2 x that longer."""
+
+    host: Host
+    listen: str
+    target: str
+    control: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> DelayProxy:
+        self.control.write_text("0")
+        self.proc = self.host.popen([sys.executable, str(DELAY_PROXY), self.listen,
+                                     self.target, str(self.control)],
+                                    self.control.with_suffix(".log"))
+        return self
+
+    def delay(self, one_way_ms: float) -> None:
+        """Delay each chunk, each way, by `one_way_ms` (0: relay at once)."""
+        partial = self.control.with_name(self.control.name + ".partial")
+        partial.write_text(str(one_way_ms))
+        partial.replace(self.control)
+
+    def stats(self) -> dict[str, int]:
+        """What the relay counted: connections, chunks, chunks_delayed (zeros until its
+        first report)."""
+        try:
+            found = json.loads(self.control.with_name(self.control.name + ".stats").read_text())
+        except (OSError, ValueError):
+            found = {}
+        return {k: int(found.get(k, 0)) for k in ("connections", "chunks", "chunks_delayed")}
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.listen}"
+
+
 @dataclass
 class Node:
     """A lumend process on a host of its own."""
@@ -350,10 +408,12 @@ class Node:
     gateway: str
     rpc: str
     proc: subprocess.Popen[bytes] | None = None
+    state: Tmpfs | None = None  # its state dir, when that is a tmpfs
+    etcd_relays: list[DelayProxy] = field(default_factory=list)  # its paths to etcd, if relayed
 
     def start(self) -> Node:
         self.proc = self.host.popen([sys.executable, "-m", "lumend", "run", "--config",
-                                     str(self.config_path)], self.log_path)
+                                     str(self.config_path)], self.log_path, mounts=self.state)
         return self
 
     @property
@@ -370,10 +430,21 @@ GATEWAY, RPC, CHECKPOINT, METRICS, ENGINES = 8100, 8200, 8300, 8400, 8500
 
 def start_node(lab: NetLab, name: str, endpoints: Sequence[str], cluster: str, *,
                lease_ttl_s: int = 3, shadows: int = 0, engine_args: Sequence[str] = (),
-               gateway_settings: str = "") -> Node:
+               gateway_settings: str = "", state_tmpfs_mib: int | None = None,
+               relay_etcd: bool = False) -> Node:
     """A lumend node with one sim worker on a host of its own (the local cluster's config,
-    on the host's address); `gateway_settings`: extra `[gateway]` lines."""
+    on the host's address); `gateway_settings`: extra `[gateway]` lines; `state_tmpfs_mib`:
+    its state dir (engine logs) is a tmpfs of that size, lumend's alone; `relay_etcd`: the
+    node reaches each etcd endpoint through a `DelayProxy` on its own host (no delay until
+    one is set)."""
     host = lab.host(name)
+    relays: list[DelayProxy] = []
+    if relay_etcd:
+        for i, endpoint in enumerate(endpoints):
+            relays.append(DelayProxy(host, f"{host.ip}:{12379 + i}",
+                                     endpoint.split("//", 1)[-1],
+                                     lab.workdir / f"{name}.relay{i}").start())
+        endpoints = [r.url for r in relays]
     text = node_config_toml(name, endpoints, cluster,
                             [GATEWAY, RPC, CHECKPOINT, METRICS, ENGINES],
                             lease_ttl_s=lease_ttl_s, shadows=shadows,
@@ -383,5 +454,7 @@ def start_node(lab: NetLab, name: str, endpoints: Sequence[str], cluster: str, *
     config = lab.workdir / f"{name}.toml"
     config.write_text(text)
     node = Node(host, name, config, lab.workdir / f"{name}.log",
-                f"http://{host.ip}:{GATEWAY}", f"{host.ip}:{RPC}")
+                f"http://{host.ip}:{GATEWAY}", f"{host.ip}:{RPC}", etcd_relays=relays)
+    if state_tmpfs_mib is not None:
+        node.state = Tmpfs(host, lab.workdir / name / "state", state_tmpfs_mib).mount()
     return node.start()

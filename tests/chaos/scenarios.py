@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -62,14 +63,18 @@ class Cluster:
     """etcd members and lumend nodes on a lab."""
 
     def __init__(self, lab: NetLab, etcd_members: int, nodes: int,
-                 etcd_tmpfs_mib: int | None = None) -> None:
+                 etcd_tmpfs_mib: int | None = None,
+                 state_tmpfs_mib: dict[str, int] | None = None,
+                 relay_etcd: bool = False) -> None:
         self.lab = lab
         self.name = "chaos"
         self.etcd: list[EtcdMember] = start_etcd(lab, etcd_members, tmpfs_mib=etcd_tmpfs_mib)
         self.endpoints = [m.client_url for m in self.etcd]
         self.nodes: list[Node] = [
             start_node(lab, f"node-{i + 1}", self.endpoints, self.name,
-                       engine_args=ENGINE_ARGS, gateway_settings=GATEWAY_SETTINGS)
+                       engine_args=ENGINE_ARGS, gateway_settings=GATEWAY_SETTINGS,
+                       state_tmpfs_mib=(state_tmpfs_mib or {}).get(f"node-{i + 1}"),
+                       relay_etcd=relay_etcd)
             for i in range(nodes)]
 
     def view(self, endpoints: list[str] | None = None) -> ClusterView:
@@ -259,13 +264,17 @@ async def old_coordinator_refuses(node: Node) -> bool:
 
 
 @contextmanager
-def lab_cluster(workdir: Path, etcd_members: int, etcd_tmpfs_mib: int | None = None
+def lab_cluster(workdir: Path, etcd_members: int, etcd_tmpfs_mib: int | None = None,
+                state_tmpfs_mib: dict[str, int] | None = None, relay_etcd: bool = False
                 ) -> Iterator[tuple[NetLab, Cluster]]:
-    """A lab with `etcd_members` etcd members and 3 lumend nodes, removed afterwards."""
+    """A lab with `etcd_members` etcd members and 3 lumend nodes, removed afterwards
+    (`state_tmpfs_mib`: node name -> the size of a tmpfs for its state dir; `relay_etcd`:
+    every node reaches etcd through a delay relay on its host)."""
     lab = NetLab(workdir)
     try:
         yield lab, Cluster(lab, etcd_members=etcd_members, nodes=3,
-                           etcd_tmpfs_mib=etcd_tmpfs_mib)
+                           etcd_tmpfs_mib=etcd_tmpfs_mib, state_tmpfs_mib=state_tmpfs_mib,
+                           relay_etcd=relay_etcd)
     finally:
         lab.close()
 
@@ -540,6 +549,67 @@ def packet_loss(workdir: Path, percent: int, hold_s: float = 20.0) -> Row:
         return row
 
 
+def round_trip_s(url: str, tries: int = 3) -> float:
+    """The fastest of `tries` round trips of etcd's `/version` at `url` (a new connection
+    each, so the connect is in it too)."""
+    best = float("inf")
+    for _ in range(tries):
+        began = time.monotonic()
+        with urllib.request.urlopen(f"{url}/version", timeout=10) as r:
+            r.read()
+        best = min(best, time.monotonic() - began)
+    return best
+
+
+def etcd_rtt_delay(workdir: Path, one_way_ms: int = 100, hold_s: float = 20.0) -> Row:
+    """Every node reaches etcd through a relay on its own host (`DelayProxy`); under load
+    (8 streams) the relays delay each chunk by `one_way_ms` each way, a round trip to etcd
+    2 x that longer, for at least `hold_s` and while the streams run. Streams must come out
+    identical and admissions go on (the row counts refused probes and elections, as the loss
+    rows do). The control: the relays delayed what they carried (their counts) and a round
+    trip through one took at least 2 x `one_way_ms` (one straight to etcd: in the notes)."""
+    row = Row(f"node-etcd RTT +{2 * one_way_ms} ms (every node)")
+    with lab_cluster(workdir, etcd_members=1, relay_etcd=True) as (_lab, cluster):
+        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        assert view.coordinator is not None
+        watch = Watch(terms=[(view.coordinator.record.node, view.coordinator.epoch)])
+        relays = [r for n in cluster.nodes for r in n.etcd_relays]
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as session:
+                load = Load(cluster.nodes[0].gateway)
+                await load.start(session)
+                fault = time.monotonic()
+                for relay in relays:
+                    relay.delay(one_way_ms)
+                await asyncio.sleep(0.3)  # the relays read their control ten times a second
+                direct = await asyncio.to_thread(round_trip_s, cluster.endpoints[0])
+                relayed = await asyncio.to_thread(round_trip_s, relays[0].url)
+                row.notes.append(f"a round trip to etcd {relayed * 1000:.0f} ms through a "
+                                 f"relay, {direct * 1000:.0f} ms straight")
+                if relayed < 2 * one_way_ms / 1000:
+                    row.notes.append("VOID: the relay did not delay the round trip")
+                finished = asyncio.create_task(load.finish(row))
+                await watch_while(cluster, lambda: not finished.done()
+                                  or time.monotonic() - fault < hold_s, watch)
+                await finished
+                delayed = sum(r.stats()["chunks_delayed"] for r in relays)
+                row.notes.append(f"{delayed} chunks delayed in {time.monotonic() - fault:.0f} s")
+                if delayed == 0:
+                    row.notes.append("VOID: the relays delayed nothing")
+                for relay in relays:
+                    relay.delay(0)
+                healed = time.monotonic()
+                await asyncio.to_thread(cluster.wait, cluster.settled, 60, "settled again")
+                row.notes.append(f"settled {time.monotonic() - healed:.1f} s after the delay")
+
+        asyncio.run(run())
+        row.admissions_resumed_s = watch.longest_gap_s
+        row.notes[:0] = watch.notes()
+        row.etcd_db_bytes = cluster.db_bytes()
+        return row
+
+
 def lumenctl_status(cluster: Cluster) -> tuple[int, str]:
     """`lumenctl status`'s exit code and its last lines, as an operator would run it."""
     done = subprocess.run([sys.executable, "-m", "lumenctl", "--endpoints",
@@ -600,7 +670,7 @@ def etcd_disk_full(workdir: Path, tmpfs_mib: int = 200, down_s: float = 10.0) ->
                 load = Load(cluster.nodes[0].gateway)
                 await load.start(session)
                 marks = {n.name: len(n.log_text()) for n in cluster.nodes}
-                await asyncio.to_thread(member.fill_disk, 0)
+                await asyncio.to_thread(member.disk().fill, 0)
                 fault = time.monotonic()
                 while member.proc is not None and member.proc.poll() is None:
                     if time.monotonic() - fault > 60:
@@ -628,7 +698,7 @@ def etcd_disk_full(workdir: Path, tmpfs_mib: int = 200, down_s: float = 10.0) ->
                                  "every lumend still running")
                 row.notes.append("node logs: " + " | ".join(
                     said_since(n, marks[n.name], most=1) for n in cluster.nodes))
-                await asyncio.to_thread(member.free_disk)
+                await asyncio.to_thread(member.disk().unfill)
                 await asyncio.to_thread(member.start)
                 restarted = time.monotonic()
                 row.admissions_resumed_s = await until_admissions_resume(cluster, restarted, 60)
@@ -767,6 +837,89 @@ def gateway_node_killed_under_load(workdir: Path) -> Row:
         return row
 
 
+def active_engine_pid(view: ClusterView, worker: str) -> int | None:
+    record = view.workers.get(worker)
+    if record is None or record.state != "serving":
+        return None
+    return next((e.pid for e in record.engines if e.role == "active" and e.pid), None)
+
+
+WRITE_ONE_PAGE = ("import errno, os, sys\n"
+                  "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
+                  "try:\n os.write(fd, b'x' * 4096); print('written')\n"
+                  "except OSError as e:\n print(errno.errorcode[e.errno])")
+
+
+def node_state_dir_full(workdir: Path, tmpfs_mib: int = 16) -> Row:
+    """One node's state dir (its engines' logs) is a small tmpfs; under load (8 streams
+    through this node's gateway, some on its engine) its space is taken, then its active
+    engine is SIGKILLed, so that lumend restarts it on the full disk (the streams on it
+    resume elsewhere), and 8 more streams go through the node's gateway. lumend must not
+    crash, its engine must serve again, every stream come out whole, and the node's log and
+    metrics must say the disk is full. The control: the disk really was full (a write there
+    fails with ENOSPC) and the engine really was restarted (a new pid)."""
+    row = Row("a node's state dir out of space, its engine restarted on it")
+    with lab_cluster(workdir, etcd_members=1,
+                     state_tmpfs_mib={"node-2": tmpfs_mib}) as (_lab, cluster):
+        cluster.wait(cluster.settled, 90, "3 nodes settled")
+        victim = cluster.node("node-2")
+        disk = victim.state
+        assert disk is not None
+        worker = f"{victim.name}-w0"
+
+        async def run() -> None:
+            async with aiohttp.ClientSession() as session:
+                load = Load(victim.gateway)
+                await load.start(session)
+                running = await asyncio.to_thread(streams_in_flight, victim)
+                row.notes.append(f"{running.get(worker, 0):.0f} streams on {worker}")
+                mark = len(victim.log_text())
+                await asyncio.to_thread(disk.fill, 0)
+                probe = await asyncio.to_thread(
+                    disk.run, sys.executable, "-c", WRITE_ONE_PAGE, str(disk.path / "probe"))
+                if probe.stdout.strip() != "ENOSPC":
+                    row.notes.append(f"VOID: a write on the full disk did not fail with "
+                                     f"ENOSPC ({probe.stdout.strip()} {probe.stderr.strip()})")
+                filled = time.monotonic()
+                said: str | None = None
+                while said is None and time.monotonic() - filled < 10:
+                    await asyncio.sleep(0.2)
+                    said = first_line(victim.log_text()[mark:], "logs (", "is full")
+                said = said and said.split(": ", 1)[-1].replace(str(disk.path), "state_dir")
+                row.notes.append(f"lumend said {time.monotonic() - filled:.1f} s after the "
+                                 f"fill: {said[:110]}" if said else
+                                 "LUMEND SAID NOTHING OF THE FULL DISK in 10 s")
+                view = await asyncio.to_thread(cluster.view)
+                pid = active_engine_pid(view, worker)
+                assert pid is not None, f"{worker} has no active engine: {summary(view)}"
+                fault = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                back = await asyncio.to_thread(
+                    cluster.wait, lambda v: active_engine_pid(v, worker) not in (None, pid),
+                    60, f"{worker} serving again on the full disk")
+                row.notes.append(f"{worker} serving again {time.monotonic() - fault:.1f} s "
+                                 f"after the kill (pid {pid} -> "
+                                 f"{active_engine_pid(back, worker)})")
+                row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 30)
+                own = Load(victim.gateway)
+                own.prompts = [f"{p} (admitted on a full disk)" for p in own.prompts]
+                await own.start(session)
+                await load.finish(row)
+                more = Row("own")
+                await own.finish(more)
+                add_up(row, more)
+                free = await asyncio.to_thread(metric, victim, "lumen_engine_log_free_bytes")
+                row.notes.append(f"lumen_engine_log_free_bytes {free}")
+                row.notes.append("lumend exited" if victim.proc is None
+                                 or victim.proc.poll() is not None
+                                 else "lumend still running")
+                await asyncio.to_thread(disk.unfill)
+
+        asyncio.run(run())
+        row.etcd_db_bytes = cluster.db_bytes()
+        return row
+
+
 def packet_loss_10(workdir: Path) -> Row:
     return packet_loss(workdir, 10)
 
@@ -786,4 +939,6 @@ SCENARIOS: dict[str, Callable[[Path], Row]] = {
     "etcd-disk-full": etcd_disk_full,
     "coordinator-paused": coordinator_paused_past_its_ttl,
     "gateway-node-killed": gateway_node_killed_under_load,
+    "node-state-dir-full": node_state_dir_full,
+    "etcd-rtt-200ms": etcd_rtt_delay,
 }

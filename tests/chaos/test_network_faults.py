@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from .scenarios import (
     etcd_member_black_holed,
     etcd_quorum_lost_and_back,
     node_cut_off_from_its_peers,
+    node_state_dir_full,
     packet_loss,
     two_nodes_lost_at_once,
 )
@@ -61,6 +63,20 @@ def test_two_nodes_lost_at_once_their_streams_continue_on_the_third(tmp_path: Pa
     assert row.streams == row.identical, row
     if any(note.startswith("0 streams") for note in row.notes):
         pytest.skip(f"every stream ran on the gateway's own node this time: void ({row})")
+
+
+def test_a_full_state_dir_leaves_lumend_and_its_streams_running_and_is_reported(
+        tmp_path: Path) -> None:
+    """Found by this scenario: on a full state dir lumend and its engine went on (the engine
+    restarted), but nothing said so: the engine's output, the reason it exited included,
+    went nowhere, and neither lumend's log nor its metrics named the disk."""
+    row = node_state_dir_full(tmp_path)
+    assert not [n for n in row.notes if n.startswith("VOID")], row
+    assert row.streams == row.identical == 16, row
+    assert "lumend still running" in row.notes, row
+    assert any(n.startswith("lumend said") and "is full" in n for n in row.notes), row
+    assert "lumen_engine_log_free_bytes 0.0" in row.notes, row
+    assert row.admissions_resumed_s is not None
 
 
 def test_the_lab_makes_a_black_hole_not_a_refusal(tmp_path: Path) -> None:
@@ -136,5 +152,44 @@ def test_the_lab_loses_the_share_of_packets_it_is_told(tmp_path: Path) -> None:
         lab.lossy(a, b, 0)
         assert arrived() == 400
         assert a.dropped() == 400 - got  # counted before the rule went, kept
+    finally:
+        lab.close()
+
+
+def test_the_lab_delays_what_it_is_told(tmp_path: Path) -> None:
+    """The control for the delay rows: through a relay set to 150 ms each way a round trip
+    takes at least 300 ms and the relay counts the chunks it held; set to 0 it holds none."""
+    lab = netlab.NetLab(tmp_path)
+    try:
+        a, b = lab.host("a"), lab.host("b")
+        a.popen([sys.executable, "-m", "http.server", "9000", "--bind", a.ip], tmp_path / "a.log")
+        relay = netlab.DelayProxy(b, f"{b.ip}:9100", f"{a.ip}:9000", tmp_path / "relay").start()
+
+        def round_trip() -> float:
+            began = time.monotonic()
+            with urllib.request.urlopen(f"{relay.url}/", timeout=10) as r:
+                r.read()
+            return time.monotonic() - began
+
+        for _ in range(50):  # the server and the relay starting
+            try:
+                round_trip()
+                break
+            except OSError:
+                time.sleep(0.1)
+        time.sleep(0.3)  # the relay's first report
+        assert relay.stats()["chunks"] > 0 and relay.stats()["chunks_delayed"] == 0
+        relay.delay(150)
+        time.sleep(0.3)  # read ten times a second
+        assert round_trip() >= 0.3
+        time.sleep(0.3)  # its next report
+        held = relay.stats()
+        assert held["chunks_delayed"] >= 2, held
+        relay.delay(0)
+        time.sleep(0.3)
+        round_trip()
+        time.sleep(0.3)
+        assert relay.stats()["chunks_delayed"] == held["chunks_delayed"]
+        assert relay.stats()["chunks"] > held["chunks"]
     finally:
         lab.close()

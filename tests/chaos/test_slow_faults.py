@@ -14,6 +14,7 @@ from .scenarios import (
     Row,
     coordinator_paused_past_its_ttl,
     etcd_disk_full,
+    etcd_rtt_delay,
     gateway_node_killed_under_load,
     packet_loss,
 )
@@ -68,3 +69,10 @@ def test_a_killed_gateways_node_leaves_the_other_gateways_streams_whole(
     row = gateway_node_killed_under_load(tmp_path)
     void(row)
     assert row.streams == row.identical, row
+
+
+def test_streams_and_admissions_outlive_200_ms_more_to_etcd(tmp_path: Path) -> None:
+    row = etcd_rtt_delay(tmp_path)
+    void(row)
+    assert row.streams == row.identical, row
+    assert not any(n.startswith("0/") for n in row.notes), f"no Admit answered ({row})"
