@@ -268,15 +268,7 @@ class GatewayCollector(Collector):
         keys = self._gateway.api_keys
         yield _gauge("lumen_gateway_api_keys", "API keys the gateway accepts; 0: none "
                      "configured, the API is open.", len(keys) if keys is not None else 0)
-        latency = self._gateway.latency
-        for name, buckets, what in (
-            ("ttft", latency.ttft, "From a request's arrival to its first token sent."),
-            ("tpot", latency.tpot, "Mean time between a request's tokens (per request)."),
-            ("recovery", latency.recovery, "From an upstream breaking mid-stream to the "
-             "next token sent to the client (resume or recompute included)."),
-        ):
-            yield HistogramMetricFamily(f"lumen_gateway_{name}_seconds", what,
-                                        buckets=buckets.cumulative(), sum_value=buckets.total)
+        yield from self._gateway.latency.families()  # by model_name
 
 
 def _gauge(name: str, documentation: str, value: float | bool) -> GaugeMetricFamily:

@@ -121,6 +121,7 @@ class Progress:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     workers: list[str] = field(default_factory=list)
+    model: str = ""  # the served model it runs on: the latency metrics' model_name label
     broken_at: float | None = None  # when its upstream last broke, until the next token
     # After a resume: ids the client already has that the new engine generates again (a
     # cut back to a clean text boundary, or a restart from the start), and text likewise.
@@ -302,9 +303,9 @@ class Gateway:
                 last = time.monotonic()
                 if first is None:
                     first = last
-                    self.latency.ttft.observe(first - started)
+                    self.latency.ttft.observe(first - started, progress.model)
                 if progress.broken_at is not None:
-                    self.latency.recovery.observe(last - progress.broken_at)
+                    self.latency.recovery.observe(last - progress.broken_at, progress.model)
                     progress.broken_at = None
             await on_out(out)
 
@@ -316,7 +317,8 @@ class Gateway:
                            "resume_failed") from None
         finally:
             if first is not None and progress.tokens > 1:
-                self.latency.tpot.observe((last - first) / (progress.tokens - 1))
+                self.latency.tpot.observe((last - first) / (progress.tokens - 1),
+                                          progress.model)
             if self.coordinator is not None:
                 self.coordinator.finish(rid)
 
@@ -360,6 +362,7 @@ class Gateway:
                 log.info("resuming request %s on %s after %d tokens (%s)", rid, target.worker,
                          progress.tokens + len(progress.again_ids), plan.how)
             progress.workers.append(target.worker)
+            progress.model = target.model
             upstream_body = plan.body
             upstream_body.setdefault("model", target.model)
             if placement is not None:

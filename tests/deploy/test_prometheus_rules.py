@@ -63,14 +63,20 @@ def series_names(expr: str) -> set[str]:
 
 
 def missing_from(scrape: str, names: set[str]) -> set[str]:
-    """Names neither sampled nor declared in the exposition. A labelled counter with no
-    sample yet (no request was ever rejected) is declared by its `# TYPE` line only."""
+    """Names neither sampled nor declared in the exposition. A labelled counter or histogram
+    with no sample yet (no request was ever rejected, or served: the gateway's latency by
+    model_name) is declared by its `# TYPE` line only."""
     present = {line.split("{")[0].split()[0] for line in scrape.splitlines()
                if line and not line.startswith("#")}
     for line in scrape.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split()
-            present |= {name, f"{name}_total"} if kind == "counter" else {name}
+            if kind == "counter":
+                present |= {name, f"{name}_total"}
+            elif kind == "histogram":  # by model_name: no sample before a request ran
+                present |= {name, *(f"{name}_{part}" for part in ("bucket", "count", "sum"))}
+            else:
+                present.add(name)
     return {n for n in names if n not in present}
 
 
@@ -78,6 +84,10 @@ def test_the_name_check_catches_a_misspelt_metric() -> None:
     scrape = "lumen_node_ready 1\nlumen_workers{state=\"failed\"} 0\n"
     assert missing_from(scrape, series_names("lumen_node_ready == 0")) == set()
     assert missing_from(scrape, series_names("lumen_node_redy == 0")) == {"lumen_node_redy"}
+    declared = "# TYPE lumen_gateway_ttft_seconds histogram\n"
+    assert missing_from(declared, {"lumen_gateway_ttft_seconds_bucket"}) == set()
+    assert missing_from(declared, {"lumen_gateway_ttfb_seconds_bucket"}) == {
+        "lumen_gateway_ttfb_seconds_bucket"}
 
 
 @pytest.fixture
@@ -111,6 +121,16 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[int], str]]:
             stop_process(proc)
 
 
+def completed(url: str) -> bool:
+    request = urllib.request.Request(url, data=b'{"prompt": "hello there", "max_tokens": 4}',
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return bool(response.status == 200)
+    except OSError:  # 503 until the worker serves
+        return False
+
+
 def api(base: str, path: str, **params: str) -> Any:
     url = f"{base}/api/v1/{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
     try:
@@ -141,6 +161,9 @@ def test_every_rule_evaluates_against_a_live_lumend(
         return bool(result and result["result"])
 
     wait_until(up, 60, "Prometheus scraping lumend")
+    # One completion, so the gateway's latency histograms have a model_name series.
+    gateway = f"http://127.0.0.1:{node.ports[0]}/v1/completions"
+    wait_until(lambda: completed(gateway), 60, "a completion through the gateway")
     shipped = {rule["alert"]: rule for rule in rules()}
 
     def evaluated() -> dict[str, dict[str, Any]] | None:
@@ -165,8 +188,20 @@ def test_every_rule_evaluates_against_a_live_lumend(
 
     for quiet in ("LumenNodeDown", "LumenNodeNotRegistered", "LumenNoCoordinator",
                   "LumenTwoCoordinators", "LumenWorkerFailed", "LumenHaLoopStalled",
-                  "LumenLeaseRenewalLate"):
+                  "LumenLeaseRenewalLate", "LumenGatewaySlowFirstToken"):
         assert selects(quiet) == [], quiet
+    # The latency alert's histograms carry the served model (model_name), as vLLM's do; the
+    # old query without it (sum by (le), the dashboard's) still reads them.
+    def by_model() -> list[Any] | None:
+        result = api(base, "query",
+                     query="sum by (model_name) (lumen_gateway_ttft_seconds_count)")
+        return list(result["result"]) if result and result["result"] else None
+
+    [series] = wait_until(by_model, 30, "the TTFT histogram by model_name in Prometheus")
+    assert series["metric"] == {"model_name": "sim-small"}
+    assert float(series["value"][1]) >= 1
+    old = api(base, "query", query="sum by (le) (lumen_gateway_ttft_seconds_bucket)")
+    assert old is not None and len(old["result"]) == 14  # 13 bounds and +Inf
     # The positive control: a healthy node without API keys is selected by this one.
     deadline = time.monotonic() + 10
     while not selects("LumenGatewayOpen"):
