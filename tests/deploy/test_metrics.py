@@ -56,6 +56,18 @@ def sample_names(exposition: str) -> set[str]:
             for sample in family.samples}
 
 
+def declared_names(exposition: str) -> set[str]:
+    """Sample names a family in the exposition declares, sampled or not yet: a labelled
+    counter with no sample (no drain order sent, no draft-assist yet) is exported by its
+    `# TYPE` line alone, and a panel over it shows the series once they come."""
+    names = set()
+    for family in text_string_to_metric_families(exposition):
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
+                    "summary": ("_count", "_sum")}.get(family.type, ("",))
+        names |= {family.name + suffix for suffix in suffixes}
+    return names | sample_names(exposition)
+
+
 def sample_value(exposition: str, name: str, labels: dict[str, str]) -> float:
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
@@ -129,6 +141,12 @@ def test_dashboard_queries_name_only_exported_metrics(
     assert sample_value(leader, "lumen_coordinator_decisions_total", {"kind": "admit"}) >= 1
     assert sample_value(follower, "lumen_ckpt_budget_bytes", {"worker": "m2-w0"}) > 0
     assert metric_value(follower, "lumen_agent_stale_epoch_refused_total") == 0
+    # The gateway's latency carries the served model (model_name, as vLLM's metrics).
+    assert sample_value(follower, "lumen_gateway_ttft_seconds_count",
+                        {"model_name": "sim-small"}) >= 1
+    assert sample_value(follower, "lumen_gateway_tpot_seconds_count",
+                        {"model_name": "sim-small"}) >= 1
+    assert sample_value(follower, "lumen_gateway_migrations_total", {}) == 0
 
     # Every name a panel queries is a series lumend exports, or for the engine panels one
     # that the engines' own /metrics export.
@@ -140,7 +158,7 @@ def test_dashboard_queries_name_only_exported_metrics(
         assert sample_value(engine, new, {}) == sample_value(engine, old, {}), (new, old)
     assert sample_value(follower, "lumen_ckpt_held_bytes", {"worker": "m2-w0"}) == \
         sample_value(follower, "lumen_ckpt_bytes_held", {"worker": "m2-w0"})
-    exported = sample_names(leader) | sample_names(follower) | engines
+    exported = declared_names(leader) | declared_names(follower) | engines
     dashboard = json.loads(DASHBOARD.read_text())
     queries = list(dashboard_queries(dashboard))
     assert len(queries) >= 40
@@ -149,7 +167,10 @@ def test_dashboard_queries_name_only_exported_metrics(
     assert {"lumen_ckpt_held_bytes", "lumen_ckpt_refusals_total", "lumen_gateway_degraded_total",
             "lumen_agent_stale_epoch_refused_total", "lumen_coordinator_decisions_total",
             "lumen_ckpt_requests_complete", "lumen_gateway_ttft_seconds_bucket",
-            "lumen_gateway_recovery_seconds_bucket"} <= queried
+            "lumen_gateway_recovery_seconds_bucket", "lumen_gateway_migrations_total",
+            "lumen_coordinator_orders_total", "lumen_assist_drafted_tokens_total",
+            "lumen_assist_accepted_tokens_total", "lumen_assist_acceptance",
+            "lumen_assist_attached"} <= queried
     # The dashboard queries no deprecated name (nothing with a colon, nothing without a
     # unit suffix where the 0.1 name lacked one).
     assert [name for name in queried if ":" in name or name == "lumen_ckpt_bytes_held"] == []
@@ -160,11 +181,14 @@ def test_dashboard_queries_name_only_exported_metrics(
     broken["panels"][2]["targets"][0]["expr"] = "vector(1)"
     coverage = next(p for p in broken["panels"] if p["title"] == "Checkpoint coverage (engines)")
     coverage["targets"][0]["expr"] = "sum(lumen_ckpt_requests_completed)"
+    assist = next(p for p in broken["panels"] if p["title"] == "Assist acceptance")
+    assist["targets"][0]["expr"] = "max(lumen_assist_acceptence)"
     assert unknown_metrics(broken, exported) == [
         "panel 'Nodes registered' target A: lumen_node_registred is not exported",
         "panel 'Nodes ready' target A: names no metric: vector(1)",
         "panel 'Checkpoint coverage (engines)' target A: lumen_ckpt_requests_completed is not "
         "exported",
+        "panel 'Assist acceptance' target A: lumen_assist_acceptence is not exported",
     ]
 
     # A graceful stop of the coordinator: the follower wins and its counters show it.
