@@ -11,7 +11,10 @@ What it keeps, and the column a decision reads:
 * requests admitted (or recovered) here and not finished, by id; per serving worker their
   count; per (serving worker, holder) the checkpoints placed (the holder table's spread);
   per checkpoint id how many requests carry it (whether a progress report is ours);
-* bytes reported per checkpoint and their sum per holder;
+* bytes reported per checkpoint and their sum per holder; per holder the checkpoints placed
+  there that no report names yet, which the holders' table counts at the mean reported size
+  (a burst outruns the reports: a holder's pages stream only after the prefill, and without
+  them the holders that tie on the queue would take every checkpoint until reports land);
 * per view: workers in name order, the heartbeat's queue and bytes, eligibility, budgets,
   nodes, the policy config, and the two live columns `queue = max(heartbeat, count here)`
   and `ckpt = max(heartbeat bytes, bytes reported)`, updated in place per change; with
@@ -44,6 +47,9 @@ from lumend.rpc.messages import CheckpointProgress, CheckpointRef, Target
 REQUEST_TTL_S = 3600.0
 # Expiry is by buckets of admission time: O(expired entries) per view, no scan.
 BUCKET_S = 60.0
+# What a checkpoint placed and not yet reported weighs in its holder's bytes before any
+# checkpoint was reported (then: the mean reported checkpoint): a prompt's first pages.
+UNREPORTED_BYTES = 16 << 20
 
 
 @dataclass
@@ -138,8 +144,13 @@ class LoadBook:
         self.held: dict[str, Held] = {}  # ckpt id -> what its holder reported
         self._queued: Counter[str] = Counter()  # serving worker -> requests here
         self._held_bytes: Counter[str] = Counter()  # holder -> bytes reported
+        self._held_total = 0  # their sum
         self._spread: dict[str, Counter[str]] = {}  # serving worker -> holder -> checkpoints
         self._placed: Counter[str] = Counter()  # ckpt id -> requests carrying it
+        self._placed_on: dict[str, str] = {}  # ckpt id -> the holder it was placed on
+        # holder -> checkpoints placed there that no report names yet (a burst outruns
+        # the reports: the holders' table counts them at the mean reported size)
+        self._unreported: Counter[str] = Counter()
         self._by_gateway: dict[tuple[str, float], set[str]] = {}
         self._buckets: dict[int, set[str]] = {}
         self._cols: Columns | None = None
@@ -205,8 +216,15 @@ class LoadBook:
         placed = self._placed[ckpt.ckpt_id] + delta
         if placed:
             self._placed[ckpt.ckpt_id] = placed
+            if placed == delta:  # the first request to carry it
+                self._placed_on[ckpt.ckpt_id] = ckpt.holder
+                if ckpt.ckpt_id not in self.held:
+                    self._unreported[ckpt.holder] += 1
         else:
             del self._placed[ckpt.ckpt_id]
+            holder = self._placed_on.pop(ckpt.ckpt_id)
+            if ckpt.ckpt_id not in self.held:
+                self._uncount(holder)
         if worker:
             spread = self._spread.get(worker)
             if spread is None:
@@ -225,6 +243,13 @@ class LoadBook:
                 if column is not None and i is not None:
                     column[i] += delta
 
+    def _uncount(self, holder: str) -> None:
+        n = self._unreported[holder] - 1
+        if n:
+            self._unreported[holder] = n
+        else:
+            del self._unreported[holder]
+
     def _refresh_queue(self, worker: str) -> None:
         cols = self._cols
         if cols is not None:
@@ -238,15 +263,23 @@ class LoadBook:
 
     def progress(self, report: CheckpointProgress) -> bool:
         """Record one holder report; returns whether a request here carries that checkpoint."""
-        old = self.held.pop(report.ckpt_id, None)
+        ckpt_id = report.ckpt_id
+        old = self.held.pop(ckpt_id, None)
         if old is not None:
             self._add_bytes(old.holder, -old.bytes)
         if report.bytes != 0:
-            self.held[report.ckpt_id] = Held(report.holder, report.bytes, report.tokens)
+            self.held[ckpt_id] = Held(report.holder, report.bytes, report.tokens)
             self._add_bytes(report.holder, report.bytes)
-        return report.ckpt_id in self._placed
+        placed_on = self._placed_on.get(ckpt_id)
+        if placed_on is not None and (old is None) != (report.bytes == 0):
+            if old is None:  # its first report: no longer counted as unreported
+                self._uncount(placed_on)
+            else:  # reported gone (0 bytes) while a request still carries it
+                self._unreported[placed_on] += 1
+        return ckpt_id in self._placed
 
     def _add_bytes(self, holder: str, delta: int) -> None:
+        self._held_total += delta
         n = self._held_bytes[holder] + delta
         if n:
             self._held_bytes[holder] = n
@@ -307,7 +340,18 @@ class LoadBook:
             column = cols.spread[name] = [placed.get(w.name, 0) for w in cols.workers]
         # max(heartbeat bytes, reported bytes + checkpoints placed), in C-level maps (ints:
         # alpha * n is the same float as alpha * float(n) for any byte count).
-        ckpt = list(map(max, cols.hb_bytes, map(operator.add, cols.held, column)))
+        held = cols.held
+        if self._unreported:
+            # Placed and not reported yet, at the mean reported size: within a burst the
+            # reports lag the placements, and without this the holders that tie on the
+            # queue would take every checkpoint of the burst until reports land.
+            size = self._held_total // len(self.held) if self.held else UNREPORTED_BYTES
+            held = held.copy()
+            for name, n in self._unreported.items():
+                i = cols.index.get(name)
+                if i is not None:
+                    held[i] += n * size
+        ckpt = list(map(max, cols.hb_bytes, map(operator.add, held, column)))
         return Table(cols.workers, LoadSnapshot(nodes=cols.nodes, ckpt_bytes=ckpt, queue=queue,
                                                 budget_bytes=cols.budget, alive=cols.eligible),
                      cols.cfg, cols.index)

@@ -5,6 +5,13 @@ cannot answer (no coordinator, unreachable, too slow) the gateway decides locall
 same policy functions over its own view; each such decision is counted as degraded and the
 change of mode is logged. A recovery is worth waiting for a little: when the coordinator
 dies the key names its successor within a lease TTL, and Recover is retried against it.
+
+Admissions are batched under load (issue 16): up to `admit_calls` Admit calls are in flight
+at once; admissions asked meanwhile wait for the first of them to return and go together
+in the next call (at most `admit_batch`), decided in order by the coordinator. One caller
+alone never waits (its call is sent at once, as before); many callers share the per-call
+cost of gRPC, which is what bounds a coordinator's admissions per second. A coordinator of
+an earlier release answers the first of a batch only; the link then asks one per call.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lumend.cluster.view import ClusterView
 from lumend.gateway.latency import DECISION_BUCKETS, Buckets
@@ -41,6 +48,21 @@ class LinkTiming:
     # the first of a batch, or at once when the batch holds `finish_batch` of them.
     finish_delay_s: float = 0.02
     finish_batch: int = 512
+    # Admit calls in flight at once before admissions wait and go as one batch; the most
+    # admissions in one call (the coordinator decides them in one go on its event loop).
+    admit_calls: int = 4
+    admit_batch: int = 128
+
+
+@dataclass
+class _Ask:
+    """An admission waiting for its call: what to ask, and where its answer goes."""
+
+    request_id: str
+    model: str | None
+    exclude: Sequence[str]
+    asked: float
+    answer: asyncio.Future[Admission] = field(repr=False)
 
 
 class CoordinatorLink:
@@ -61,6 +83,11 @@ class CoordinatorLink:
         self._degraded_why: str | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._finished: list[str] = []  # request ids not sent yet
+        self._asks: dict[Term, list[_Ask]] = {}  # admissions waiting for a call, per term
+        self._admitting: Counter[Term] = Counter()  # Admit calls in flight, per term
+        self._single: set[Term] = set()  # coordinators that answer one admission per call
+        # Admit calls sent, and admissions in them (their ratio: the mean batch).
+        self.admit_calls: Counter[str] = Counter()
         self._flush: asyncio.TimerHandle | None = None
         # Finish batches: sent, requests in them, requests the coordinator knew, and
         # requests dropped with a failed batch (the coordinator expires those itself).
@@ -115,18 +142,80 @@ class CoordinatorLink:
         if self._down_until.get(term, 0.0) > time.monotonic():
             self._degrade("admit", f"coordinator at {term[0]} did not answer recently")
             return None
+        ask = _Ask(request_id, model, exclude, time.monotonic(),
+                   asyncio.get_running_loop().create_future())
+        self._asks.setdefault(term, []).append(ask)
+        self._send_asks(term)
         try:
-            asked = time.monotonic()
-            admission = await self._client(term[0]).admit(
-                request_id, model, self.node, exclude, self.timing.admit_deadline_s)
-            self.decision_seconds["admit"].observe(time.monotonic() - asked)
-            self._check_epoch(term, admission.epoch)
+            admission = await ask.answer
         except RpcFailure as exc:
-            self._failed(term, exc)
             self._degrade("admit", str(exc))
             return None
+        self.decision_seconds["admit"].observe(time.monotonic() - ask.asked)
         self._answered("admit", term)
         return admission
+
+    def _send_asks(self, term: Term) -> None:
+        """Start calls for the admissions waiting on `term`, as many as may be in flight."""
+        waiting = self._asks.get(term)
+        # An earlier release: one admission per call, up to `admit_batch` calls at once.
+        single = term in self._single
+        limit = self.timing.admit_batch if single else self.timing.admit_calls
+        while waiting and self._admitting[term] < limit:
+            size = 1 if single else self.timing.admit_batch
+            batch, waiting[:] = waiting[:size], waiting[size:]
+            self._admitting[term] += 1
+            task = asyncio.create_task(self._admit_call(term, batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if not waiting:
+            self._asks.pop(term, None)
+
+    async def _admit_call(self, term: Term, batch: list[_Ask]) -> None:
+        client = self._client(term[0])
+        deadline = self.timing.admit_deadline_s
+        failure: RpcFailure | None = None
+        answers: list[Admission] = []
+        try:
+            if len(batch) == 1:
+                a = batch[0]
+                got = [await client.admit(a.request_id, a.model, self.node, a.exclude,
+                                          deadline)]
+            else:
+                got = await client.admit_many(
+                    [(a.request_id, a.model, a.exclude) for a in batch], self.node, deadline)
+            self._check_epoch(term, got[0].epoch)
+            answers = got
+        except RpcFailure as exc:
+            failure = exc
+        except Exception as exc:  # never leave an admission waiting (then decided locally)
+            failure = RpcFailure(term[0], "Admit", "UNKNOWN", repr(exc))
+        finally:
+            self._admitting[term] -= 1
+            if not self._admitting[term]:
+                del self._admitting[term]
+            if not answers:  # failed, or cancelled (the link closes)
+                failure = failure or RpcFailure(term[0], "Admit", "CANCELLED",
+                                                "the gateway's call was cancelled")
+                # The coordinator is down for `down_for_s`: the admissions waiting behind
+                # this call fail with it (their callers decide locally), not queue for it.
+                self._failed(term, failure)
+                for a in (*batch, *self._asks.pop(term, ())):
+                    if not a.answer.done():
+                        a.answer.set_exception(failure)
+        if not answers:
+            return
+        self.admit_calls["calls"] += 1
+        self.admit_calls["admissions"] += len(answers)
+        for a, admission in zip(batch, answers, strict=False):
+            if not a.answer.done():  # its caller may have given up meanwhile
+                a.answer.set_result(admission)
+        if len(answers) < len(batch):  # an earlier release: the rest one per call
+            log.info("coordinator at %s (epoch %d) answers one admission per call",
+                     term[0], term[1])
+            self._single.add(term)
+            self._asks.setdefault(term, [])[:0] = batch[len(answers):]
+        self._send_asks(term)
 
     async def recover(self, ask: RecoverAsk) -> Recovery | None:
         """The coordinator's routing for an interrupted request, retried against whichever

@@ -59,6 +59,18 @@ class CoordinatorClient:
         reply = await _call(self.address, "Admit", self._stub.Admit, request, timeout_s)
         return Admission.from_pb(reply)
 
+    async def admit_many(self, asks: Sequence[tuple[str, str | None, Sequence[str]]],
+                         gateway: str, timeout_s: float = 1.0) -> list[Admission]:
+        """Several admissions in one call, (request id, model, exclude) each, decided in
+        order. Fewer answers than asks: the coordinator (an earlier release) decided the
+        first only; the caller asks again for the rest."""
+        requests = [pb.AdmitRequest(request_id=r, model=m or "", gateway=gateway,
+                                    exclude=list(x)) for r, m, x in asks]
+        first = requests[0]
+        first.more.extend(requests[1:])
+        reply = await _call(self.address, "Admit", self._stub.Admit, first, timeout_s)
+        return [Admission.from_pb(reply), *map(Admission.from_pb, reply.more)]
+
     async def recover(self, ask: RecoverAsk, timeout_s: float = 1.0) -> Recovery:
         reply = await _call(self.address, "Recover", self._stub.Recover, ask.to_pb(), timeout_s)
         return Recovery.from_pb(reply)

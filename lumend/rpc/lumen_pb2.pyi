@@ -29,32 +29,36 @@ class Checkpoint(_message.Message):
     def __init__(self, ckpt_id: _Optional[str] = ..., holder: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gateway", "exclude")
+    __slots__ = ("request_id", "model", "gateway", "exclude", "more")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gateway: str
     exclude: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gateway: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[AdmitRequest]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gateway: _Optional[str] = ..., exclude: _Optional[_Iterable[str]] = ..., more: _Optional[_Iterable[_Union[AdmitRequest, _Mapping]]] = ...) -> None: ...
 
 class AdmitReply(_message.Message):
-    __slots__ = ("epoch", "admitted", "target", "checkpoint", "reason", "policy")
+    __slots__ = ("epoch", "admitted", "target", "checkpoint", "reason", "policy", "more")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     admitted: bool
     target: Target
     checkpoint: Checkpoint
     reason: str
     policy: str
-    def __init__(self, epoch: _Optional[int] = ..., admitted: _Optional[bool] = ..., target: _Optional[_Union[Target, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., reason: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[AdmitReply]
+    def __init__(self, epoch: _Optional[int] = ..., admitted: _Optional[bool] = ..., target: _Optional[_Union[Target, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., reason: _Optional[str] = ..., policy: _Optional[str] = ..., more: _Optional[_Iterable[_Union[AdmitReply, _Mapping]]] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("request_id", "request_ids")

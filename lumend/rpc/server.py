@@ -83,11 +83,15 @@ class CoordinatorServicer:
     async def Admit(self, request: pb.AdmitRequest, context: Any) -> pb.AdmitReply:
         service = await self._service(context)
         try:
-            admission = service.admit(request.request_id, request.model, request.gateway,
-                                      list(request.exclude))
+            reply = service.admit(request.request_id, request.model, request.gateway,
+                                  list(request.exclude)).to_pb()
+            # A gateway's batch (issue 16): decided in order, as that many single calls.
+            for more in request.more:
+                reply.more.append(service.admit(more.request_id, more.model, more.gateway,
+                                                list(more.exclude)).to_pb())
         except NotReady as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return admission.to_pb()
+        return reply
 
     async def Finish(self, request: pb.FinishRequest, context: Any) -> pb.FinishReply:
         service = await self._service(context)

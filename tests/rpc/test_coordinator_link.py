@@ -56,8 +56,8 @@ def test_finish_is_batched_off_the_request_path() -> None:
             for i in range(200):
                 link.finish(f"r{i}")  # returns at once: nothing is awaited on the request path
             assert servicer.finish_calls == 0
-            for _ in range(100):
-                if not service.requests:
+            for _ in range(100):  # the coordinator forgot them and the link read its reply
+                if not service.requests and link.finishes["sent"] == 200:
                     break
                 await asyncio.sleep(0.02)
             assert not service.requests

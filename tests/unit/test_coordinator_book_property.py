@@ -4,7 +4,8 @@ order of admissions, finishes, recoveries, holder reports, heartbeats (new views
 After every step the columns a decision reads (per-worker queue, checkpoint bytes per
 holder, queued prefill seconds, the holders' table of a serving worker) and the book's own
 counters are compared with the same quantities recomputed from scratch: from the requests
-the book holds, the reports it holds and the view. Entries of a gateway whose node left or
+the book holds, the reports it holds and the view (a checkpoint placed and not reported
+yet weighs the mean reported size in the holders' table). Entries of a gateway whose node left or
 restarted, and entries older than the TTL, are gone once a view (or `expire`) has seen it.
 """
 
@@ -20,7 +21,7 @@ from msgspec.structs import replace
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import ClusterSettings, WorkerLoad
 from lumend.cluster.view import ClusterView
-from lumend.coordinator.loadbook import BUCKET_S, LoadBook
+from lumend.coordinator.loadbook import BUCKET_S, UNREPORTED_BYTES, LoadBook
 from lumend.coordinator.service import CoordinatorService, eligible
 from lumend.coordinator.settings import policy_config
 from lumend.rpc.messages import CheckpointProgress, RecoverAsk
@@ -129,6 +130,10 @@ def recomputed(world: World) -> dict[str, Any]:
     for r in requests.values():
         if r.worker and r.checkpoint is not None:
             spread.setdefault(r.worker, Counter())[r.checkpoint.holder] += 1
+    unreported = {r.checkpoint.ckpt_id: r.checkpoint.holder for r in requests.values()
+                  if r.checkpoint is not None and r.checkpoint.ckpt_id not in held}
+    size = sum(h.bytes for h in held.values()) // len(held) if held else UNREPORTED_BYTES
+    pending = Counter(unreported.values())
     return {
         "queue": queue,
         "held": [by_holder[w.name] for w in workers],
@@ -138,8 +143,10 @@ def recomputed(world: World) -> dict[str, Any]:
         "eligible": [eligible(view, w) for w in workers],
         "queued": +queued, "held_bytes": +by_holder, "spread": spread,
         "placed": +Counter(r.checkpoint.ckpt_id for r in requests.values() if r.checkpoint),
+        "unreported": +pending,
         "holders": {w.name: [max(x.checkpoints.bytes_held,
-                                 by_holder[x.name] + spread.get(w.name, Counter())[x.name])
+                                 by_holder[x.name] + spread.get(w.name, Counter())[x.name]
+                                 + pending[x.name] * size)
                              for x in workers] for w in workers},
     }
 
@@ -154,6 +161,7 @@ def kept(world: World) -> dict[str, Any]:
         "eligible": list(cols.eligible),
         "queued": +book._queued, "held_bytes": +book._held_bytes,
         "spread": {k: +v for k, v in book._spread.items()}, "placed": +book._placed,
+        "unreported": +book._unreported,
         "holders": {w.name: list(book.holders_table(cols, i).snapshot.ckpt_bytes)
                     for i, w in enumerate(cols.workers)},
     }
