@@ -206,10 +206,21 @@ def _unavailable_hint(last: str, endpoints: Sequence[str]) -> str:
             "plaintext client: if it does, use https:// endpoints with ca_cert, cert and key "
             "(lumenctl --ca-cert/--cert/--key); else check `systemctl status etcd`"
         )
-    return (
+    hint = (
         "check that etcd runs there (`systemctl status etcd`) and that the endpoints "
         "are right (--endpoints / LUMEN_ENDPOINTS / [etcd] endpoints)"
     )
+    if any(marker in last for marker in _TIMEOUT_MARKERS):
+        # A down or black-holed etcd times out too; so does a round trip past the timeout.
+        hint += (
+            "; the calls timed out: if `etcdctl endpoint status` from this host answers "
+            "(slowly), the round trip to etcd is too long for [etcd] request_timeout_s: "
+            "raise it (below lease_ttl_s / 2)"
+        )
+    return hint
+
+
+_TIMEOUT_MARKERS = ("Deadline Exceeded", "DEADLINE_EXCEEDED", "timed out", "timeout")
 
 
 class Store(Protocol):

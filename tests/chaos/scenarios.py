@@ -569,6 +569,7 @@ def etcd_rtt_delay(workdir: Path, one_way_ms: int = 100, hold_s: float = 20.0) -
     rows do). The control: the relays delayed what they carried (their counts) and a round
     trip through one took at least 2 x `one_way_ms` (one straight to etcd: in the notes)."""
     row = Row(f"node-etcd RTT +{2 * one_way_ms} ms (every node)")
+    marks: dict[str, int] = {}
     with lab_cluster(workdir, etcd_members=1, relay_etcd=True) as (_lab, cluster):
         view = cluster.wait(cluster.settled, 90, "3 nodes settled")
         assert view.coordinator is not None
@@ -579,6 +580,7 @@ def etcd_rtt_delay(workdir: Path, one_way_ms: int = 100, hold_s: float = 20.0) -
             async with aiohttp.ClientSession() as session:
                 load = Load(cluster.nodes[0].gateway)
                 await load.start(session)
+                marks.update({n.name: len(n.log_text()) for n in cluster.nodes})
                 fault = time.monotonic()
                 for relay in relays:
                     relay.delay(one_way_ms)
@@ -602,6 +604,11 @@ def etcd_rtt_delay(workdir: Path, one_way_ms: int = 100, hold_s: float = 20.0) -
                 healed = time.monotonic()
                 await asyncio.to_thread(cluster.wait, cluster.settled, 60, "settled again")
                 row.notes.append(f"settled {time.monotonic() - healed:.1f} s after the delay")
+                named = sum(any("etcd unreachable" in line and "request_timeout_s" in line
+                                for line in n.log_text()[marks[n.name]:].splitlines())
+                            for n in cluster.nodes)
+                row.notes.append(f"{named} of {len(cluster.nodes)} nodes' logs name "
+                                 "[etcd] request_timeout_s")
 
         asyncio.run(run())
         row.admissions_resumed_s = watch.longest_gap_s
@@ -851,28 +858,30 @@ WRITE_ONE_PAGE = ("import errno, os, sys\n"
 
 
 def node_state_dir_full(workdir: Path, tmpfs_mib: int = 16) -> Row:
-    """One node's state dir (its engines' logs) is a small tmpfs; under load (8 streams
-    through this node's gateway, some on its engine) its space is taken, then its active
-    engine is SIGKILLed, so that lumend restarts it on the full disk (the streams on it
-    resume elsewhere), and 8 more streams go through the node's gateway. lumend must not
-    crash, its engine must serve again, every stream come out whole, and the node's log and
-    metrics must say the disk is full. The control: the disk really was full (a write there
-    fails with ENOSPC) and the engine really was restarted (a new pid)."""
+    """Every node's state dir (its engines' logs) is a small tmpfs. Under load (8 streams
+    through node-1's gateway) the space of the node whose engine runs the most of them is
+    taken, then that engine is SIGKILLed, so that lumend restarts it on the full disk (its
+    streams resume elsewhere), and 8 more streams go through that node's gateway. lumend
+    must not crash, its engine must serve again, every stream come out whole, and the
+    node's log and metrics must say the disk is full. The control: the disk really was
+    full (a write there fails with ENOSPC) and the engine really was restarted (a new
+    pid)."""
     row = Row("a node's state dir out of space, its engine restarted on it")
-    with lab_cluster(workdir, etcd_members=1,
-                     state_tmpfs_mib={"node-2": tmpfs_mib}) as (_lab, cluster):
+    with lab_cluster(workdir, etcd_members=1, state_tmpfs_mib={
+            f"node-{i}": tmpfs_mib for i in (1, 2, 3)}) as (_lab, cluster):
         cluster.wait(cluster.settled, 90, "3 nodes settled")
-        victim = cluster.node("node-2")
-        disk = victim.state
-        assert disk is not None
-        worker = f"{victim.name}-w0"
 
         async def run() -> None:
             async with aiohttp.ClientSession() as session:
-                load = Load(victim.gateway)
+                load = Load(cluster.nodes[0].gateway)
                 await load.start(session)
-                running = await asyncio.to_thread(streams_in_flight, victim)
-                row.notes.append(f"{running.get(worker, 0):.0f} streams on {worker}")
+                running = await asyncio.to_thread(streams_in_flight, cluster.nodes[0])
+                worker = max(running, key=lambda w: running[w])
+                victim = cluster.node(worker.rsplit("-w", 1)[0])
+                disk = victim.state
+                assert disk is not None
+                row.notes.append(f"{victim.name}'s disk filled, {running[worker]:.0f} "
+                                 f"streams on its engine")
                 mark = len(victim.log_text())
                 await asyncio.to_thread(disk.fill, 0)
                 probe = await asyncio.to_thread(
@@ -894,13 +903,14 @@ def node_state_dir_full(workdir: Path, tmpfs_mib: int = 16) -> Row:
                 assert pid is not None, f"{worker} has no active engine: {summary(view)}"
                 fault = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
+                admitting = asyncio.create_task(until_admissions_resume(cluster, fault, 30))
                 back = await asyncio.to_thread(
                     cluster.wait, lambda v: active_engine_pid(v, worker) not in (None, pid),
                     60, f"{worker} serving again on the full disk")
                 row.notes.append(f"{worker} serving again {time.monotonic() - fault:.1f} s "
                                  f"after the kill (pid {pid} -> "
                                  f"{active_engine_pid(back, worker)})")
-                row.admissions_resumed_s = await until_admissions_resume(cluster, fault, 30)
+                row.admissions_resumed_s = await admitting
                 own = Load(victim.gateway)
                 own.prompts = [f"{p} (admitted on a full disk)" for p in own.prompts]
                 await own.start(session)
@@ -928,6 +938,11 @@ def packet_loss_30(workdir: Path) -> Row:
     return packet_loss(workdir, 30)
 
 
+def etcd_rtt_1000ms(workdir: Path) -> Row:
+    """A round trip to etcd past the nodes' `[etcd] request_timeout_s` (1 s in the lab)."""
+    return etcd_rtt_delay(workdir, 500)
+
+
 SCENARIOS: dict[str, Callable[[Path], Row]] = {
     "two-nodes-lost": two_nodes_lost_at_once,
     "coordinator-etcd-partition": coordinator_cut_off_from_etcd,
@@ -941,4 +956,5 @@ SCENARIOS: dict[str, Callable[[Path], Row]] = {
     "gateway-node-killed": gateway_node_killed_under_load,
     "node-state-dir-full": node_state_dir_full,
     "etcd-rtt-200ms": etcd_rtt_delay,
+    "etcd-rtt-1000ms": etcd_rtt_1000ms,
 }

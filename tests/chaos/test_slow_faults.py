@@ -14,6 +14,7 @@ from .scenarios import (
     Row,
     coordinator_paused_past_its_ttl,
     etcd_disk_full,
+    etcd_rtt_1000ms,
     etcd_rtt_delay,
     gateway_node_killed_under_load,
     packet_loss,
@@ -76,3 +77,16 @@ def test_streams_and_admissions_outlive_200_ms_more_to_etcd(tmp_path: Path) -> N
     void(row)
     assert row.streams == row.identical, row
     assert not any(n.startswith("0/") for n in row.notes), f"no Admit answered ({row})"
+
+
+def test_a_round_trip_to_etcd_past_the_request_timeout_is_named_in_the_log(
+        tmp_path: Path) -> None:
+    """Found by this scenario: with the round trip to etcd past `[etcd] request_timeout_s`
+    every call timed out, no coordinator could hold a lease, and the nodes' logs said only
+    "check that etcd runs there" (it did). Streams went on (they need no etcd); the log now
+    names the setting; once the delay is gone the cluster settles by itself."""
+    row = etcd_rtt_1000ms(tmp_path)
+    void(row)
+    assert row.streams == row.identical, row
+    assert any(n.endswith("nodes' logs name [etcd] request_timeout_s")
+               and not n.startswith("0 ") for n in row.notes), row
