@@ -17,12 +17,19 @@ beyond the TTL/3 schedule; read from outside so every tree is measured the same 
 
 Each `--tree` is a checkout whose `lumend` the coordinator and the client import
 (PYTHONPATH); the harness itself runs from this one. Asserts nothing: machines are shared.
+
+    python bench/admission.py decide [--tree ...] [--workers 64,256,1024]
+
+times the decision alone, in process (no gRPC): `CoordinatorService.admit` then `finish`
+per request, with 0 / 2 000 / 12 800 in flight (each checkpoint reported held), per number
+of workers: what a decision costs, apart from the transport.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -205,6 +212,68 @@ async def client(args: argparse.Namespace) -> None:
     await link.close()
 
 
+# -- the decision alone, in process ---------------------------------------------------------
+
+def decide(args: argparse.Namespace) -> None:
+    from lumend.cluster.models import CheckpointUsage, EngineInfo, NodeRecord, WorkerRecord
+    from lumend.cluster.view import ClusterView
+    from lumend.coordinator.service import CoordinatorService
+    from lumend.rpc.messages import CheckpointProgress
+
+    for count in args.workers:
+        nodes = {f"n{n:03d}": NodeRecord(name=f"n{n:03d}", address="127.0.0.1", pid=1,
+                                         version="bench", started_at=0, updated_at=0,
+                                         gateway="g", rpc="r", checkpoint=f"h{n}:1",
+                                         metrics="m") for n in range(count // PER_NODE)}
+        workers = {f"{n}-w{k}": WorkerRecord(
+            name=f"{n}-w{k}", node=n, gpus=[k], engine="sim", model="sim-small",
+            state="serving", engines=[EngineInfo(id="e", role="active", state="active",
+                                                 url="http://x:1")],
+            checkpoints=CheckpointUsage(budget_bytes=1 << 50), updated_at=0)
+            for n in nodes for k in range(PER_NODE)}
+        view = ClusterView(cluster=CLUSTER, revision=1, nodes=nodes, workers=workers)
+        service = CoordinatorService("n000", 1, functools.partial(lambda v: v, view))
+        in_flight = 0
+        for level in args.levels:
+            for i in range(in_flight, level):
+                a = service.admit(f"f{i}", None, "n000")
+                if a.checkpoint is not None:
+                    service.progress(CheckpointProgress(a.checkpoint.ckpt_id,
+                                                        a.checkpoint.holder, CKPT_BYTES, 256))
+            in_flight = level
+            spent = []
+            for i in range(4000):
+                started = time.perf_counter_ns()
+                service.admit(f"d{i}", None, "n000")
+                service.finish(f"d{i}")
+                spent.append(time.perf_counter_ns() - started)
+            print(json.dumps({"workers": count, "level": level,
+                              "p50_us": percentile(spent, 0.5) / 1e3,
+                              "p99_us": percentile(spent, 0.99) / 1e3}), flush=True)
+
+
+def decide_table(trees: list[Path], labels: list[str], args: argparse.Namespace) -> str:
+    rows: dict[tuple[int, int], dict[str, dict[str, float]]] = {}
+    for tree, label in zip(trees, labels, strict=True):
+        proc = subprocess.run(
+            [sys.executable, __file__, "decide-in", "--levels", ",".join(map(str, args.levels)),
+             "--workers", ",".join(map(str, args.workers))],
+            env={**os.environ, "PYTHONPATH": str(tree.resolve())}, capture_output=True,
+            text=True, check=True)
+        for line in proc.stdout.splitlines():
+            item = json.loads(line)
+            rows.setdefault((item["workers"], item["level"]), {})[label] = item
+    head = ["workers", "in flight"] + [f"{q} us {label}" for q in ("p50", "p99")
+                                       for label in labels]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (count, level), by in sorted(rows.items()):
+        cells = [str(count), f"{level:,}"] + [
+            f"{by[label][key]:.0f}" if label in by else "-"
+            for key in ("p50_us", "p99_us") for label in labels]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # -- the harness ---------------------------------------------------------------------------
 
 def register(endpoints: list[str]) -> tuple[Any, threading.Event]:
@@ -376,13 +445,15 @@ def main() -> None:
         serve(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", nargs="?", default="run", choices=["run", "client"])
+    parser.add_argument("mode", nargs="?", default="run",
+                        choices=["run", "client", "decide", "decide-in"])
     parser.add_argument("--tree", action="append", type=Path, default=[])
     parser.add_argument("--label", action="append", default=[])
     parser.add_argument("--levels", type=ints, default=[0, 2000, 12800])
     parser.add_argument("--callers", type=ints, default=[1, 32, 256])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--ttl", type=int, default=10)
+    parser.add_argument("--workers", type=ints, default=[64, 256, 1024])
     parser.add_argument("--rpc")
     parser.add_argument("--epoch", type=int)
     parser.add_argument("--server-pid")
@@ -391,9 +462,17 @@ def main() -> None:
     if args.mode == "client":
         asyncio.run(client(args))
         return
+    if args.mode == "decide-in":
+        decide(args)
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what we started
     trees = args.tree or [Path(__file__).resolve().parents[1]]
     labels = args.label or [t.name for t in trees]
+    if args.mode == "decide":
+        print(f"admit + finish in process, {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.2f}\n")
+        print(decide_table(trees, labels, args))
+        return
     results: dict[str, list[dict[str, Any]]] = {}
     for tree, label in zip(trees, labels, strict=True):
         print(f"measuring {label} ({tree}); load average {os.getloadavg()[0]:.2f}",
