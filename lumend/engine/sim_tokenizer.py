@@ -191,6 +191,10 @@ def _bpe_pieces() -> list[bytes]:
         encoded = char.encode("utf-8")
         pieces += [encoded[:2], encoded[1:]]
     pieces += [b"\xf0\x9f", b"\xf0\x9f\x98", b"\xf0\x9f\x8e", b"\xc3"]
+    # Whole characters and then the first byte(s) of another (" caf" and the lead byte of
+    # "é"), as byte-level BPE learns them: such a token's text is emitted only with the
+    # token that completes the character after it.
+    pieces += [b"sk\xc3", b" caf\xc3", "です".encode() + "東".encode()[:2], b" a\xf0\x9f"]
     return [p for p in dict.fromkeys(pieces) if len(p) > 1]
 
 

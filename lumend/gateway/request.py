@@ -13,11 +13,11 @@ Resume semantics per field (docs/operator-guide.md section 15 says the same for 
 - sampling parameters are sent again unchanged: greedy requests continue token-identical; a
   seeded request restarts its seeded generator at the break, so its continuation is a valid
   sample but not the one an unbroken run would have drawn; so is an unseeded sampled request.
-  The ids of a character still incomplete at the break are generated again; a sampled
-  request may draw other ids there, which is fine unless the client asked for token ids
-  (it has them): such a stream ends with an error event rather than contradict them;
+  A resume continues after every id received, those of a character still incomplete at
+  the break included (the gateway renders that character's text, see `PendingText`);
 - `stop` strings are matched by the gateway on the joined text (the engine never sees them),
-  so a stop string spanning the break is found; nothing past it is sent;
+  so a stop string spanning the break is found; nothing past it is sent; the ids end where
+  vLLM's would, at the token that emits the stop's last character;
 - `echo` is done by the gateway (the prompt once, first); `logprobs` / `top_logprobs`
   continue; `stream_options.include_usage`: one usage block for the whole request;
 - `n` / `best_of` above 1, beam search, `tools` and `echo` with `logprobs` are refused up

@@ -525,10 +525,19 @@ class Gateway:
         if full is None or not full.startswith(pending.base):
             raise Diverged(f"{target.worker} rendered the text before the cut differently")
         text = full[len(pending.base):]
-        if text.endswith("\ufffd") and not final and len(pending.ids) < CUT_WINDOW:
+        if text.endswith(_INCOMPLETE) and not final and len(pending.ids) < CUT_WINDOW:
             return ""
         progress.pending = None
-        return text.rstrip("\ufffd") if final else text
+        if final and text.endswith(_INCOMPLETE):
+            # As an engine ends a stream: with the text its decoder had emitted, up to the
+            # last id after which the text was whole (a last token of whole characters and
+            # the first bytes of another emits none of them).
+            for k in range(len(pending.ids) - 1, -1, -1):
+                full = await self._detokenize(target, [*pending.context, *pending.ids[:k]])
+                if full is None or not full.endswith(_INCOMPLETE):
+                    break
+            text = full[len(pending.base):] if full is not None else ""
+        return text
 
     async def _max_model_len(self, target: Target) -> int | None:
         """The target model's context length (`/v1/models`), remembered per worker."""
@@ -553,10 +562,13 @@ class Gateway:
     async def _ids_through_stop(self, target: Target, progress: Progress, ids: list[int],
                                 text: str, stop_end: int) -> int:
         """How many of a chunk's `ids` (several: speculative decoding) an engine keeps when
-        the chunk's `text` completes a stop string at `stop_end`: through the token whose
-        text completes it, as vLLM keeps them when it matches stop strings itself. Without
-        this the ids a stopped request reports would depend on where chunks happen to
-        break (a resumed stream breaks them elsewhere). All of them when it cannot tell."""
+        the chunk's `text` completes a stop string at `stop_end`: through the token at which
+        its incremental decoder emits the text that completes it, as vLLM keeps them when it
+        matches stop strings itself. The decoder emits nothing while the text ends in an
+        incomplete character (U+FFFD), so a token whose bytes complete the stop and then
+        begin another character emits it only with a later token, the one kept last.
+        Without this the ids a stopped request reports would depend on where chunks happen
+        to break (a resumed stream breaks them elsewhere). All of them when it cannot tell."""
         before = progress.ids[:len(progress.ids) - len(ids)]
         context = before[-8:] if before else list((progress.prompt_ids or [])[-8:])
         texts = await asyncio.gather(*(self._detokenize(target, [*context, *ids[:k]])
@@ -570,7 +582,9 @@ class Gateway:
             full = texts[k]
             if full is None or not full.startswith(base):
                 return len(ids)
-            added = full[len(base):].rstrip(_INCOMPLETE)
+            if full.endswith(_INCOMPLETE):
+                continue  # the decoder emits nothing at this token
+            added = full[len(base):]
             if not text.startswith(added):
                 return len(ids)  # special tokens rendered, a U+FFFD of the text: unsure
             if len(added) >= stop_end:

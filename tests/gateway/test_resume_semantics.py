@@ -364,12 +364,21 @@ async def _kill_under_sampled_streams(tmp_path: Path) -> tuple[Gateway, list[dic
         victim = kill_busiest(gateway, sups)
         results = await asyncio.gather(*tasks)
         survivor = next(s for s in sups if s is not victim).record().engines[0].url
-        rendered = []
-        for got in results:
-            async with session.post(survivor + "/detokenize",
-                                    json={"tokens": got["token_ids"]}) as r:
-                rendered.append((await r.json())["prompt"])
+        rendered = [await emitted_text(session, survivor, got["token_ids"])
+                    for got in results]
     return gateway, results, rendered
+
+
+async def emitted_text(session: aiohttp.ClientSession, url: str, ids: list[int]) -> str:
+    """The text an engine's incremental decoder emits for `ids`: their text up to the last
+    id after which it is whole (none of a last token's characters when the token ends with
+    the first bytes of another; vLLM drops those at the end)."""
+    for m in range(len(ids), -1, -1):
+        async with session.post(url + "/detokenize", json={"tokens": ids[:m]}) as r:
+            text = str((await r.json())["prompt"])
+        if not text.endswith("\ufffd"):
+            return text
+    return ""
 
 
 async def _test_sampled_streams_broken_inside_a_character_resume_after_their_ids(
@@ -386,7 +395,7 @@ async def _test_sampled_streams_broken_inside_a_character_resume_after_their_ids
         assert got["status"] == 200 and not got["errors"], got["errors"]
         assert len(got["ids"]) == 1 and got["finish"] == "length"
         assert len(got["token_ids"]) == 120
-        assert got["text"] == text.rstrip("\ufffd"), "the text is not that of the ids sent"
+        assert got["text"] == text, "the text is not that of the ids sent"
 
 
 async def _test_an_engine_resumed_inside_a_character_prints_the_wrong_text(

