@@ -328,7 +328,8 @@ class LoadBook:
     def holders_table(self, cols: Columns, serving: int) -> Table:
         """The holders' table for a checkpoint of `serving`: its queue one longer (the
         request being admitted) and each peer one byte heavier per checkpoint of `serving`
-        it was given, so holders that tie on L_hat take turns (a burst of admissions
+        it was given (a whole checkpoint heavier while placements await their reports), so
+        holders that tie on L_hat take turns (a burst of admissions
         otherwise gives every checkpoint of the last worker in each round to the same
         peer, and its failure to that one holder)."""
         queue = cols.queue.copy()
@@ -351,6 +352,10 @@ class LoadBook:
                 i = cols.index.get(name)
                 if i is not None:
                     held[i] += n * size
+            # Counted so, the holders no longer tie: each checkpoint of `serving` a peer got
+            # weighs a whole checkpoint there, so they still take turns (else the burst's
+            # balance by totals gives every checkpoint of one worker to one peer).
+            column = [n * size for n in column]
         ckpt = list(map(max, cols.hb_bytes, map(operator.add, held, column)))
         return Table(cols.workers, LoadSnapshot(nodes=cols.nodes, ckpt_bytes=ckpt, queue=queue,
                                                 budget_bytes=cols.budget, alive=cols.eligible),

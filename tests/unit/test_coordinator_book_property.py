@@ -145,8 +145,8 @@ def recomputed(world: World) -> dict[str, Any]:
         "placed": +Counter(r.checkpoint.ckpt_id for r in requests.values() if r.checkpoint),
         "unreported": +pending,
         "holders": {w.name: [max(x.checkpoints.bytes_held,
-                                 by_holder[x.name] + spread.get(w.name, Counter())[x.name]
-                                 + pending[x.name] * size)
+                                 by_holder[x.name] + (spread.get(w.name, Counter())[x.name]
+                                                      + pending[x.name]) * (size if pending else 1))
                              for x in workers] for w in workers},
     }
 

@@ -84,14 +84,17 @@ class Rescan:
         for h in self.s.held.values():
             held[h.holder] += h.bytes
         if spread_for is not None:
-            held.update(r.checkpoint.holder for r in self.s.requests.values()
-                        if r.worker == spread_for and r.checkpoint is not None)
-            # Placed and not reported yet: at the mean reported size.
+            # Placed and not reported yet: at the mean reported size; then each checkpoint
+            # of `spread_for` a peer got weighs one byte, or a whole one among unreported.
             size = (sum(h.bytes for h in self.s.held.values()) // len(self.s.held)
                     if self.s.held else UNREPORTED_BYTES)
             unreported = {r.checkpoint.ckpt_id: r.checkpoint.holder
                           for r in self.s.requests.values()
                           if r.checkpoint is not None and r.checkpoint.ckpt_id not in self.s.held}
+            unit = size if unreported else 1
+            for r in self.s.requests.values():
+                if r.worker == spread_for and r.checkpoint is not None:
+                    held[r.checkpoint.holder] += unit
             for holder in unreported.values():
                 held[holder] += size
         cfg = policy_config(view.settings)
