@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import aiohttp
 
 from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster, LumendNode
+from lumenctl.sse import data_events
 from lumend.engine.sim_core import decode, encode, reference_completion
 
 STARTED = re.compile(r"engine \S+ started \(pid \d+")
@@ -158,11 +158,7 @@ class Load:
                     return
                 if r.status != 200:
                     errors.append(f"status {r.status}")
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
+                async for chunk in data_events(r.content):
                     if "error" in chunk:
                         errors.append(chunk["error"]["message"])
                     else:

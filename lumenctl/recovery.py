@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import random
 import re
@@ -32,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from lumenctl.localcluster import LocalCluster
+from lumenctl.sse import data_events
 from lumend.cluster.keys import Keys
 from lumend.cluster.store import EtcdStore
 from lumend.cluster.view import ClusterView, build_view
@@ -157,11 +157,7 @@ class Replay:
                 if r.status != 200:
                     outcome.error = f"HTTP {r.status}: {await r.text()}"
                     return
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
+                async for chunk in data_events(r.content):
                     if "error" in chunk:
                         outcome.error = chunk["error"]["message"]
                         continue
