@@ -63,8 +63,12 @@ class ChannelPool:
         self._make = make
         self._lock = threading.Lock()
         self._current: dict[int, Lease] = {}
-        self._closing: queue.SimpleQueue[Lease | None] = queue.SimpleQueue()
-        self._closer: threading.Thread | None = None
+        # The closer thread and its own queue (a closer `drain` stopped may still be
+        # closing while a later retirement starts the next one; they never share a queue).
+        self._closer: tuple[threading.Thread, queue.SimpleQueue[Lease | None]] | None = None
+        # Guards `_closer`: release callbacks (any thread) and `drain` race to start or
+        # stop it; a closer is published only once started.
+        self._closer_lock = threading.Lock()
         self._close_started: float | None = None
         self.made = 0
         self.closed = 0
@@ -149,15 +153,18 @@ class ChannelPool:
         if started is not None and time.monotonic() - started > SLOW_CLOSE_S:
             log.warning("closing an etcd channel has taken %.0f s (a grpc deadlock?); channels "
                         "retired since are left open", time.monotonic() - started)
-        self._closing.put(lease)
-        if self._closer is None:
-            self._closer = threading.Thread(target=self._close_forever, name="etcd-closer",
-                                            daemon=True)
-            self._closer.start()
+        with self._closer_lock:
+            if self._closer is None:
+                closing: queue.SimpleQueue[Lease | None] = queue.SimpleQueue()
+                thread = threading.Thread(target=self._close_forever, args=(closing,),
+                                          name="etcd-closer", daemon=True)
+                thread.start()
+                self._closer = (thread, closing)
+            self._closer[1].put(lease)
 
-    def _close_forever(self) -> None:
+    def _close_forever(self, closing: queue.SimpleQueue[Lease | None]) -> None:
         while True:
-            lease = self._closing.get()
+            lease = closing.get()
             if lease is None:
                 return
             self._close_started = time.monotonic()
@@ -173,9 +180,10 @@ class ChannelPool:
     def drain(self, timeout_s: float) -> None:
         """Retire every channel and wait up to `timeout_s` for the closes queued so far."""
         self.retire_all()
-        closer = self._closer
+        with self._closer_lock:
+            closer, self._closer = self._closer, None
         if closer is None:
             return
-        self._closing.put(None)
-        closer.join(timeout_s)
-        self._closer = None
+        thread, closing = closer
+        closing.put(None)
+        thread.join(timeout_s)
