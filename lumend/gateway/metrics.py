@@ -32,6 +32,22 @@ class CoordinatorLinkCollector(Collector):
             "lumen_gateway_recover_coordinator_changes", "Recoveries answered by a "
             "coordinator elected while the request waited.",
             value=self._link.coordinator_changes)
+        yield CounterMetricFamily(
+            "lumen_gateway_admit_calls", "Admit calls this gateway sent to the coordinator "
+            "(under load one call carries several admissions).",
+            value=self._link.admit_calls["calls"])
+        yield CounterMetricFamily(
+            "lumen_gateway_admit_call_admissions", "Admissions the coordinator answered in "
+            "those calls (divided by lumen_gateway_admit_calls_total: the mean batch).",
+            value=self._link.admit_calls["admissions"])
+        finished = CounterMetricFamily(
+            "lumen_gateway_finish_reports", "Finished requests this gateway reported to the "
+            "coordinator, by outcome: sent, known (the coordinator had them in flight), "
+            "dropped (a failed batch: the coordinator expires them itself).",
+            labels=["outcome"])
+        for outcome in ("sent", "known", "dropped"):
+            finished.add_metric([outcome], self._link.finishes[outcome])
+        yield finished
         seconds = HistogramMetricFamily(
             "lumen_gateway_decision_seconds", "Round trip of the coordinator's answers to "
             "this gateway, by call (admit, recover).", labels=["call"])

@@ -12,11 +12,13 @@ from collections import Counter
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from lumend.cluster.models import CoordinatorRecord
 from lumend.cluster.view import ClusterView, Coordinator
 from lumend.coordinator.service import CoordinatorService
 from lumend.gateway.coordinator import CoordinatorLink, LinkTiming
+from lumend.gateway.metrics import CoordinatorLinkCollector
 from lumend.rpc import lumen_pb2 as pb
 from lumend.rpc import lumen_pb2_grpc as stubs
 from lumend.rpc.messages import Admission
@@ -94,6 +96,17 @@ def test_a_burst_goes_in_batches_and_stays_balanced() -> None:
     served = Counter(a.target.worker for a in admitted if a is not None and a.target)
     assert max(served.values()) - min(served.values()) <= 1, served
     assert not link.degraded
+    # What an operator sees of it: calls and admissions, whose ratio is the mean batch.
+    assert scraped(link, "lumen_gateway_admit_calls_total") == servicer.calls
+    assert scraped(link, "lumen_gateway_admit_call_admissions_total") == BURST
+
+
+def scraped(link: CoordinatorLink, name: str, labels: dict[str, str] | None = None) -> float:
+    registry = CollectorRegistry()
+    registry.register(CoordinatorLinkCollector(link))
+    value = registry.get_sample_value(name, labels)
+    assert value is not None, f"{name} not exported"
+    return value
 
 
 def placements(admitted: list[Admission] | list[Admission | None]) -> Counter[tuple[str, str]]:
@@ -116,3 +129,5 @@ def test_a_gone_coordinator_fails_the_whole_burst_at_once() -> None:
     admitted, servicer, _, link = burst(earlier_release=False, stop_first=True)
     assert admitted == [None] * BURST
     assert link.degraded["admit"] == BURST and servicer.calls == 0
+    assert scraped(link, "lumen_gateway_admit_calls_total") == 0
+    assert scraped(link, "lumen_gateway_degraded_total", {"call": "admit"}) == BURST
