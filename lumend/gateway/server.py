@@ -655,6 +655,7 @@ class Gateway:
                 text = await self._pending_text(target, progress, ids,
                                                 piece.finish_reason is not None)
             progress.raw_text += text
+            emitted = text  # what this chunk's ids add to the text, engine or gateway rendered
             if progress.again_text and text:
                 n = min(len(text), len(progress.again_text))
                 if text[:n] != progress.again_text[:n]:
@@ -666,7 +667,7 @@ class Gateway:
             finish, stop_reason = piece.finish_reason, piece.stop_reason
             if scan.matched is not None:
                 finish, stop_reason = "stop", scan.matched
-                if len(ids) > 1 and scan.stop_end is not None and text == piece.text:
+                if len(ids) > 1 and scan.stop_end is not None and text == emitted:
                     keep = await self._ids_through_stop(target, progress, ids, text,
                                                         scan.stop_end)
                     if keep < len(ids):
