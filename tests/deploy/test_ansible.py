@@ -8,7 +8,10 @@ virtualenv sees this checkout's dependencies through a .pth line, so nothing is 
 The gRPC control plane runs with the mTLS certificates the role makes.
 
 Where systemd is not PID 1 (here) the roles start etcd and lumend as plain processes with
-start-stop-daemon and pid files; the fixture stops them by those pids.
+start-stop-daemon and pid files; the fixture stops them by those pids. Every process the
+plays start carries this run's mark in its environment (`RUN_MARK`): whatever a play that
+failed midway left behind (a daemon whose pid file was never written or was removed, an
+engine whose lumend was SIGKILLed) is found by the mark and stopped by its pid.
 """
 
 from __future__ import annotations
@@ -60,7 +63,45 @@ def ansible_env() -> dict[str, str]:
     env["ANSIBLE_HOST_KEY_CHECKING"] = "0"
     env["ANSIBLE_RETRY_FILES_ENABLED"] = "0"
     env["ANSIBLE_FORKS"] = "3"
+    env[RUN_MARK[0]] = RUN_MARK[1]
     return env
+
+
+# In the environment of everything the plays start (ansible, start-stop-daemon, etcd,
+# lumend, its engines all inherit it): how a finalizer finds what a run left behind.
+RUN_MARK = ("LUMEN_ANSIBLE_TEST_RUN", f"{os.getpid()}-{time.time_ns()}")
+
+
+def marked(mark: tuple[str, str] = RUN_MARK) -> list[int]:
+    """The pids of live processes whose environment carries `mark` (NAME, VALUE)."""
+    wanted = f"{mark[0]}={mark[1]}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if wanted in environ.split(b"\0") and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def stop_marked(mark: tuple[str, str] = RUN_MARK, grace_s: float = 15.0) -> list[int]:
+    """SIGTERM every process carrying `mark`, SIGKILL those left after `grace_s`; returns
+    the pids it signalled."""
+    pids = marked(mark)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.05)
+    for pid in marked(mark):  # the lingering, and any started while the others stopped
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def run(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -235,7 +276,7 @@ def host_vars(name: str, prefix: Path, ports: list[int], user: str, wheel: Path,
 
 def stop_pid_file(path: Path) -> None:
     """SIGTERM the process a pid file names, wait, SIGKILL if it lingers."""
-    if not path.exists():
+    if not path.exists() or not path.read_text().strip().isdigit():  # a half-written one
         return
     pid = int(path.read_text().strip())
     try:
@@ -261,8 +302,10 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def test_hosts(tmp_path: Path, wheel: Path, node_venv: Path
-               ) -> Iterator[dict[str, dict[str, Any]]]:
+def test_hosts(tmp_path: Path, wheel: Path, node_venv: Path,
+               request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, Any]]]:
+    # After the pid files' stops below: whatever the plays started that is still running.
+    request.addfinalizer(stop_marked)
     user = pwd.getpwuid(os.getuid()).pw_name
     ports = free_ports(7 * len(HOSTS))
     hosts = {}
@@ -279,6 +322,36 @@ def test_hosts(tmp_path: Path, wheel: Path, node_venv: Path
             stop_pid_file(Path(variables["lumend_pid_file"]))
         for variables in hosts.values():
             stop_pid_file(Path(variables["etcd_pid_file"]))
+
+
+def test_what_a_play_started_is_found_by_its_mark_and_stopped_by_pid(
+        tmp_path: Path) -> None:
+    """The fixtures' finalizer: a daemon a play started as the roles do (start-stop-daemon,
+    detached, not our child) carries the run's mark and is stopped by its pid, its pid file
+    lost or not; a process without the mark (the control) is neither found nor stopped."""
+    pid_file = tmp_path / "daemon.pid"
+    playbook = tmp_path / "start.yml"
+    playbook.write_text(yaml.safe_dump([{
+        "hosts": "localhost", "gather_facts": False, "tasks": [{
+            "name": "Start a daemon", "ansible.builtin.command": {"argv": [
+                "start-stop-daemon", "--start", "--background", "--make-pidfile", "--pidfile",
+                str(pid_file), "--startas", "/bin/sleep", "--", "300"]}}]}]))
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        started = run([str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                       str(playbook), "-e", json.dumps({"ansible_python_interpreter":
+                                                        sys.executable})])
+        assert started.returncode == 0, started.stdout + started.stderr
+        daemon = int(pid_file.read_text())
+        pid_file.unlink()  # as a play that failed between a stop and a start leaves it
+        assert daemon in marked() and other.pid not in marked()
+        assert daemon in stop_marked()
+        assert not alive(daemon)
+        assert other.poll() is None
+        assert marked() == []
+    finally:
+        other.kill()
+        other.wait()
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
@@ -428,8 +501,10 @@ TLS_HOSTS = ("lumen-a", "lumen-b", "lumen-c", "lumen-d")
 
 
 @pytest.fixture
-def tls_hosts(tmp_path: Path, wheel: Path, node_venv: Path
-              ) -> Iterator[dict[str, dict[str, Any]]]:
+def tls_hosts(tmp_path: Path, wheel: Path, node_venv: Path,
+              request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, Any]]]:
+    # After the pid files' stops below: whatever the plays started that is still running.
+    request.addfinalizer(stop_marked)
     user = pwd.getpwuid(os.getuid()).pw_name
     ports = free_ports(7 * len(TLS_HOSTS))
     hosts = {}
