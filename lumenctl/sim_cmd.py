@@ -6,6 +6,7 @@ The simulator is imported inside the command so `lumenctl --help` stays fast.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -15,9 +16,12 @@ import typer
 if TYPE_CHECKING:
     from lumend.sim.config import SimConfig
     from lumend.sim.runner import PolicyRun
+    from lumend.sim.sweep import Grid
     from lumend.sim.workload import Workload
 
 DEFAULT_RATE = 4.4  # req/s per worker without --rate or --scenario: paper-4w's load
+SWEEP_DURATION = 600.0  # s of arrivals per sweep run: 200 s before the fault, 400 after
+SWEEP_FAULT_AT = 200.0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
@@ -98,10 +102,31 @@ def sim(
     duration: float | None = typer.Option(
         None, "--duration", help="Seconds of arrivals (default 900; a trace: all of it)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic trace and fault choice."),
-    seeds: int = typer.Option(
-        1, "--seeds", min=1, help="Run seeds SEED..SEED+N-1 and report means with 95% "
+    seeds: int | None = typer.Option(
+        None, "--seeds", min=1, help="Run seeds SEED..SEED+N-1 and report means with 95% "
         "intervals and LUMEN's ratios paired by seed (a trace is replayed per seed; the "
-        "seed moves the fault choice and draft sampling)."),
+        "seed moves the fault choice and draft sampling). Default 1, 3 with --sweep."),
+    reload_gbps: float | None = typer.Option(
+        None, "--reload-gbps", help="A reload reads the weights at this many GB/s (default "
+        "3, a PCIe 4.0 NVMe drive), plus 20 s of engine init."),
+    sweep: bool = typer.Option(
+        False, "--sweep", help="Run the baselines, LUMEN and LUMEN with shadows over a grid "
+        "(--loads x --restore-gbps x --reload-s x --prompt-scales x --sizes) and compare "
+        "LUMEN with each cell's best baseline, paired by seed."),
+    loads: str | None = typer.Option(
+        None, "--loads", help="Sweep axis: load as a share of a worker's estimated capacity "
+        "(default 0.5,0.7)."),
+    restore_gbps: str | None = typer.Option(
+        None, "--restore-gbps", help="Sweep axis: checkpoint restore bandwidth, GB/s "
+        "(default 25,1)."),
+    reload_s: str | None = typer.Option(
+        None, "--reload-s", help="Sweep axis: seconds until a crashed worker serves again; "
+        "'nvme' is weights / --reload-gbps + 20 s init (default nvme,120)."),
+    prompt_scales: str | None = typer.Option(
+        None, "--prompt-scales", help="Sweep axis: prompt lengths times this (default 1,4); "
+        "the rate drops so the load stays the same share of capacity."),
+    sizes: str | None = typer.Option(
+        None, "--sizes", help="Sweep axis: workers in the cluster (default 4,8)."),
     output: Fmt | None = typer.Option(
         None, "--output", "-o", help="table, json or yaml (default: lumenctl's -o)."),
     plot: Path | None = typer.Option(
@@ -115,6 +140,27 @@ def sim(
     from lumend.sim.workload import TraceError
 
     fmt = output or Fmt(str(getattr(ctx.obj, "output", "table")))
+    if plot is not None:
+        from lumend.sim.plot import MISSING, plotting_available
+
+        if not plotting_available():
+            _fail(EXIT_USAGE, MISSING)
+    axes = {"--loads": loads, "--restore-gbps": restore_gbps, "--reload-s": reload_s,
+            "--prompt-scales": prompt_scales, "--sizes": sizes}
+    if not sweep:
+        given = [name for name, value in axes.items() if value is not None]
+        if given:
+            _fail(EXIT_USAGE, f"{', '.join(given)} {'is a' if len(given) == 1 else 'are'} "
+                  "--sweep axis option; add --sweep, or drop it for one run")
+    else:
+        clash = [name for name, value in (("--trace", trace), ("--scenario", scenario),
+                                          ("--workers", workers), ("--rate", rate),
+                                          ("--fail-fraction", fail_fraction))
+                 if value is not None]
+        if clash or policy != "all":
+            clash += [] if policy == "all" else ["--policy"]
+            _fail(EXIT_USAGE, f"--sweep sets {', '.join(clash)} itself (synthetic trace, "
+                  "--sizes for workers, --loads for the rate, its four policies); drop it")
     if trace is not None and synthetic:
         _fail(EXIT_USAGE, "--trace and --synthetic exclude each other")
     if fail is not None and fail_fraction is not None:
@@ -140,8 +186,6 @@ def sim(
         base = SimConfig()
         pol = base.policy
         if theta is not None or tau is not None:
-            from dataclasses import replace
-
             pol = replace(pol, theta=pol.theta if theta is None else theta,
                           tau=pol.tau if tau is None else tau)
         cfg = SimConfig(
@@ -153,6 +197,7 @@ def sim(
             shadows=shadows, replicas=replicas, eviction=eviction,
             crash_detect_s=detect if detect is not None else base.crash_detect_s,
             host_detect_s=detect if detect is not None else base.host_detect_s,
+            reload_gbps=reload_gbps if reload_gbps is not None else base.reload_gbps,
         )
         if budget is not None and budget < 0:
             raise ValueError(f"--budget must be >= 0 GiB, got {budget}")
@@ -160,13 +205,28 @@ def sim(
 
         load_cost_model(cfg.model, cfg.gpu)
         per_worker = rate if rate is not None else (sc.rate_per_worker if sc else None)
-        duration = duration if duration is not None else (sc.duration_s if sc else None)
-        workload = _workload(trace, cfg, per_worker, duration)
+        if sweep:
+            from lumend.sim.sweep import DEFAULT_AXES, parse_grid
+
+            grid = parse_grid(*(value if value is not None else DEFAULT_AXES[key]
+                                for key, value in zip(DEFAULT_AXES, axes.values(),
+                                                      strict=True)))
+            if fail_at is None:
+                cfg = replace(cfg, fault=replace(cfg.fault, at_s=SWEEP_FAULT_AT))
+        duration = duration if duration is not None else (
+            sc.duration_s if sc else (SWEEP_DURATION if sweep else None))
+        if not sweep:
+            workload = _workload(trace, cfg, per_worker, duration)
     except TraceError as exc:
         _fail(EXIT_USAGE, str(exc))
     except (ValueError, PresetError) as exc:
         _fail(EXIT_USAGE, str(exc))
 
+    if sweep:
+        assert duration is not None
+        _sweep(cfg, grid, seeds or 3, duration, fmt, plot)
+        return
+    seeds = seeds or 1
     if seeds > 1:
         _over_seeds(trace, cfg, names, fmt, scenario, per_worker, duration, sc, seeds)
         return
@@ -200,8 +260,6 @@ def _over_seeds(trace: Path | None, cfg: SimConfig, names: list[str], fmt: Fmt,
                 scenario: str | None, per_worker: float | None, duration: float | None,
                 sc: Any, seeds: int) -> None:
     """`--seeds N`: every policy on each seed, then means with intervals and paired ratios."""
-    from dataclasses import replace
-
     from lumend.sim.engine import SimError
     from lumend.sim.runner import metrics_document, run_policies
     from lumend.sim.stats import over_seeds
@@ -236,6 +294,90 @@ def _over_seeds(trace: Path | None, cfg: SimConfig, names: list[str], fmt: Fmt,
         typer.echo(as_yaml(doc))
     else:
         _print_seeds_table(doc)
+
+
+def _sweep(cfg: SimConfig, grid: Grid, seeds: int, duration: float, fmt: Fmt,
+           plot: Path | None) -> None:
+    """`--sweep`: every cell on seeds SEED..SEED+N-1, a table or document, the heatmap."""
+    from lumend.sim.engine import SimError
+    from lumend.sim.sweep import run_sweep
+
+    used = list(range(cfg.seed, cfg.seed + seeds))
+    cells = grid.cells()
+    tty = sys.stderr.isatty()
+    if tty:
+        typer.echo(f"sweep: {grid.describe()}, {seeds} seeds each", err=True)
+
+    def progress(i: int, _cell: object) -> None:
+        if tty:
+            typer.echo(f"  cell {i + 1}/{len(cells)} done", err=True)
+
+    try:
+        doc = run_sweep(cfg, grid, used, duration, progress)
+    except SimError as exc:
+        _fail(EXIT_FAILED, str(exc))
+    if fmt is Fmt.json:
+        from lumenctl.render import as_json
+
+        typer.echo(as_json(doc))
+    elif fmt is Fmt.yaml:
+        from lumenctl.render import as_yaml
+
+        typer.echo(as_yaml(doc))
+    else:
+        _print_sweep_table(doc, grid)
+    if plot is not None:
+        from lumend.sim.plot import plot_sweep
+
+        try:
+            plot_sweep(doc, plot)
+        except OSError as exc:
+            _fail(EXIT_FAILED, f"cannot write {plot}: {exc.strerror}")
+
+
+def _print_sweep_table(doc: dict[str, Any], grid: Grid) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tty = sys.stdout.isatty()
+    console = Console(no_color=not tty, width=None if tty else 220)
+    seeds = doc["seeds"]
+    head = (f"sweep, {doc['model']} on {doc['gpu']}, fault {doc['fault']} at "
+            f"{doc['fault_at_s']:g} s of {doc['duration_s']:g} s, seeds {seeds[0]}..{seeds[-1]}"
+            f"; grid {grid.describe()}\nmean ± 95% interval; ratios to the cell's best baseline "
+            "(lower mean TTFT) paired by seed; 'nvme' reload = weights / "
+            f"{doc['reload_gbps']:g} GB/s + {doc['init_s']:g} s")
+    table = Table(title=head, title_justify="left")
+    for col in ("LOAD", "RESTORE", "RELOAD", "PROMPT", "WORKERS", "REQ/S/W", "BEST BASELINE",
+                "ITS TTFT", "ITS RECOVERY", "LUMEN TTFT", "LUMEN/BEST TTFT",
+                "LUMEN/BEST RECOVERY", "+SHADOWS/BEST TTFT", "+SHADOWS/BEST RECOVERY"):
+        table.add_column(col, no_wrap=True)
+    for c in doc["cells"]:
+        best = c["policies"][c["best_baseline"]]
+        lumen = c["lumen_vs_best"]
+        shadow = c["lumen_shadow_vs_best"]
+        reload = c["reload_s"] if c["reload_s"] == "nvme" else f"{c['reload_s']:g} s"
+        table.add_row(
+            f"{c['load']:g}", f"{c['restore_gbps']:g} GB/s", reload, f"x{c['prompt_scale']:g}",
+            str(c["workers"]), f"{c['rate_per_worker']:.2f}", c["best_baseline"],
+            _interval(best["mean_ttft_s"], 1.0, "s"),
+            _interval(best["recovery_time_s"], 1.0, "s", True),
+            _interval(c["policies"]["lumen"]["mean_ttft_s"], 1.0, "s"),
+            _verdict(lumen, "ttft"), _verdict(lumen, "recovery"),
+            _verdict(shadow, "ttft"), _verdict(shadow, "recovery"))
+    console.print(table)
+    worse = [c for c in doc["cells"] if "worse" in (c["lumen_vs_best"]["ttft"],
+                                                     c["lumen_vs_best"]["recovery"])]
+    console.print(f"LUMEN no worse than the best baseline (TTFT and recovery, within the "
+                  f"interval) in {len(doc['cells']) - len(worse)} of {len(doc['cells'])} cells")
+
+
+def _verdict(entry: dict[str, Any], what: str) -> str:
+    ratio = entry[f"{what}_ratio"]
+    if ratio is None:
+        return "-"
+    mark = {"better": " better", "worse": " WORSE"}.get(entry[what], "")
+    return f"{ratio['mean']:.2f} ± {ratio['ci95']:.2f}x{mark}"
 
 
 def _print_seeds_table(doc: dict[str, Any]) -> None:

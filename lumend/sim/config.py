@@ -57,6 +57,9 @@ class SimConfig:
     max_batch: int = 256
     kv_capacity_tokens: int | None = None  # None: from GPU memory and model size
     block_tokens: int = 16
+    # The workload's mean prompt, for the cost-aware L_hat's beta (one mean request's
+    # prefill): the conversation trace's 1155 tokens unless a sweep scales prompts.
+    mean_prompt_tokens: float = MEAN_PROMPT_TOKENS
     # Host and network.
     budget_bytes: float = 64 * GIB          # host memory per worker for peers' checkpoints
     link_bytes_per_s: float = 12.5e9        # checkpoint stream out of each worker (100 GbE)
@@ -65,8 +68,12 @@ class SimConfig:
     # request, stalling the holder's batch. True: loads run beside the engine, concurrent
     # ones sharing the holder's bandwidth, and the request queues when its pages are in.
     restore_async: bool = False
-    disk_bytes_per_s: float = 2e9           # weight loading (plain safetensors)
-    init_s: float = 20.0                    # engine init after the weights are read
+    # A reload reads the weights from local NVMe: weight bytes / reload_gbps (3 GB/s: a
+    # PCIe 4.0 NVMe drive's sustained safetensors read) + init_s (engine init, graph capture).
+    # The draft model loads the same way. reload_s, when set, is the whole reload instead.
+    reload_gbps: float = 3.0
+    init_s: float = 20.0
+    reload_s: float | None = None
     draft_init_s: float = 5.0
     node_boot_s: float = 0.0                # extra delay before a failed node's workers load
     spec_tokens: int = 4                    # draft length k
@@ -99,9 +106,12 @@ class SimConfig:
             raise ValueError("chunk_tokens, max_batch and block_tokens must be >= 1")
         if not 0 <= self.spec_acceptance < 1:
             raise ValueError(f"spec acceptance must be in [0, 1), got {self.spec_acceptance}")
-        for name in ("link_bytes_per_s", "restore_bytes_per_s", "disk_bytes_per_s"):
+        for name in ("link_bytes_per_s", "restore_bytes_per_s", "reload_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.init_s < 0 or (self.reload_s is not None and self.reload_s < 0):
+            raise ValueError(f"init_s and reload_s must be >= 0 s, got {self.init_s} and "
+                             f"{self.reload_s}")
         for name in ("crash_detect_s", "host_detect_s", "shadow_takeover_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
@@ -110,6 +120,10 @@ class SimConfig:
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; known: "
                              f"{', '.join(EVICTIONS)}")
+
+    @property
+    def reload_bytes_per_s(self) -> float:
+        return self.reload_gbps * 1e9
 
     def with_policy(self, policy: PolicyConfig) -> SimConfig:
         return replace(self, policy=policy)
@@ -162,7 +176,7 @@ def apply_policy(cfg: SimConfig, name: str) -> SimConfig:
 
 def cost_policy(cfg: SimConfig, pol: PolicyConfig) -> PolicyConfig:
     """`pol` with the costs of `cfg`'s cluster: L_hat in seconds (alpha: one held byte's
-    restore time; beta: one mean request's prefill, the synthetic trace's 1155 tokens), the
+    restore time; beta: one mean request's prefill, `cfg.mean_prompt_tokens`), the
     restore bandwidth, a full chunk's prefill seconds per token, KV bytes per token."""
     from lumend.engine.costmodel import load_cost_model
 
@@ -172,7 +186,7 @@ def cost_policy(cfg: SimConfig, pol: PolicyConfig) -> PolicyConfig:
     return in_seconds(replace(pol, restore_bytes_per_s=cfg.restore_bytes_per_s,
                               recompute_s_per_token=per_token,
                               kv_bytes_per_token=float(cost.model.kv_bytes_per_token),
-                              block_tokens=cfg.block_tokens), MEAN_PROMPT)
+                              block_tokens=cfg.block_tokens), cfg.mean_prompt_tokens)
 
 
 MEAN_PROMPT = MEAN_PROMPT_TOKENS  # tokens (the conversation trace's mean prompt)

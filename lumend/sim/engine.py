@@ -900,10 +900,12 @@ class Simulation:
             back = max(now, at + cfg.shadow_takeover_s)
         else:
             boot = cfg.node_boot_s if cfg.fault.kind is FaultKind.node else 0.0
-            back = max(now, at + boot + self.cost.load_time(cfg.disk_bytes_per_s, cfg.init_s))
+            reload_s = (cfg.reload_s if cfg.reload_s is not None
+                        else self.cost.load_time(cfg.reload_bytes_per_s, cfg.init_s))
+            back = max(now, at + boot + reload_s)
             draft = self.cost.draft
             if self.pcfg.uses_assist and draft is not None:
-                ready = max(now, at + boot + draft.load_time(cfg.disk_bytes_per_s,
+                ready = max(now, at + boot + draft.load_time(cfg.reload_bytes_per_s,
                                                              cfg.draft_init_s))
                 if ready < back:
                     for idx in failed:

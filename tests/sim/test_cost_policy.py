@@ -205,7 +205,7 @@ def test_recovery_is_zero_without_a_fault_and_positive_with_one() -> None:
     longer = synthetic(rate=4 * 35.0, duration_s=250.0, seed=3)
     faulted = simulate(longer, apply_policy(base, "stop_and_restart"))
     rec = recovery_of(faulted, 5.0)
-    # Back after the reload (2 GB / 2 GB/s + 20 s) and the backlog it left.
+    # Back after the reload (2 GB / 3 GB/s + 20 s) and the backlog it left.
     assert rec is not None and 21.0 <= rec < 150.0
 
 

@@ -149,13 +149,13 @@ def test_a_shadow_replaces_a_crashed_engine_in_half_a_second() -> None:
     lost = interrupted(shadow)
     assert lost and any(r.resumed for r in lost) and all(r.worker != -1 for r in lost)
     # Negative control: without shadows the worker is back only after reloading its model.
-    reload_s = load_cost_model(MODEL, GPU).load_time(2e9, 20.0)
+    reload_s = load_cost_model(MODEL, GPU).load_time(3e9, 20.0)
     plain = cached("lumen", FaultKind.worker)
     assert plain.fault is not None and plain.fault.back_at == pytest.approx(FAULT_AT + reload_s)
 
 
 def test_shadows_do_not_survive_a_lost_node() -> None:
-    reload_s = load_cost_model(MODEL, GPU).load_time(2e9, 20.0)
+    reload_s = load_cost_model(MODEL, GPU).load_time(3e9, 20.0)
     node = cached("lumen_shadow", FaultKind.node)
     assert node.fault is not None and node.fault.back_at == pytest.approx(FAULT_AT + reload_s)
 
@@ -296,3 +296,16 @@ def test_policies_differing_only_in_recovery_share_one_reference_run() -> None:
     assert key("lumen") == key("lumen_shadow") == key("lumen-placement")
     # Placement changes the failure-free run: those keep their own.
     assert key("lumen_dual") != key("lumen") != key("fixed_checkpoint")
+
+
+def test_a_reload_reads_the_weights_at_reload_gbps_or_takes_reload_s() -> None:
+    slow = SimConfig(workers=4, model=MODEL, gpu=GPU, fault=FaultSpec(FaultKind.worker, FAULT_AT),
+                     reload_gbps=0.5, init_s=3.0)
+    done = simulate(workload(), apply_policy(slow, "stop_and_restart"))
+    weights = load_cost_model(MODEL, GPU).model.weight_bytes
+    assert done.fault is not None
+    assert done.fault.back_at == pytest.approx(FAULT_AT + weights / 0.5e9 + 3.0)
+    fixed = simulate(workload(), apply_policy(replace(slow, reload_s=7.0), "stop_and_restart"))
+    assert fixed.fault is not None and fixed.fault.back_at == pytest.approx(FAULT_AT + 7.0)
+    with pytest.raises(ValueError, match="reload_gbps must be positive"):
+        SimConfig(reload_gbps=0)
