@@ -6,11 +6,12 @@ upstream breaks (connection lost, engine gone, no token within the deadline) it 
 worker that serves (the same worker's shadow if it has taken over, else the least loaded
 other one) with `/v1/completions` and the prompt's ids plus the ids generated so far, so the
 client receives one stream: same `id`, no token twice, none missing (lumend/gateway/
-request.py has the resume semantics per field). A stream on a worker under a `drain --migrate`
-intent moves the same way, except that the old stream stays open until the new one has
-produced a token. Where a request starts, where its checkpoint goes
-and where an interrupted one continues are the coordinator's decisions (Admit, Recover);
-when it cannot answer, this gateway decides locally and counts that as degraded.
+request.py has the resume semantics per field, resume.py how a request continues). A
+stream on a worker under a `drain --migrate` intent moves the same way, except that the old
+stream stays open until the new one has produced a token. Where a request starts, where
+its checkpoint goes and where an interrupted one continues are the coordinator's decisions
+(Admit, Recover); when it cannot answer, this gateway decides locally and counts that as
+degraded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -38,6 +40,14 @@ from lumend.gateway.coordinator import CoordinatorLink
 from lumend.gateway.latency import StreamLatency
 from lumend.gateway.render import Out, Renderer, token_logprobs
 from lumend.gateway.request import ClientRequest, RequestError, parse_request
+from lumend.gateway.resume import (
+    Diverged,
+    Progress,
+    ResumePlan,
+    ids_through_stop,
+    pending_text,
+)
+from lumend.gateway.resume import plan as resume_plan
 from lumend.gateway.routing import Target, choose_worker, drained, models
 from lumend.gateway.stops import StopScan
 from lumend.gateway.upstream import (
@@ -107,51 +117,6 @@ class ApiError(Exception):
 
 class ClientGone(Exception):
     """The client closed its connection or stopped reading."""
-
-
-@dataclass
-class Progress:
-    """What one request has produced, in token ids, and what its client has received."""
-
-    prompt_ids: list[int] | None = None  # as the engine that started it tokenized them
-    ids: list[int] = field(default_factory=list)  # generated ids received from engines
-    raw_text: str = ""  # the text engines streamed for `ids` (before stop strings)
-    text: str = ""  # completion text sent to the client (stop strings applied)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # non-streamed requests
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    workers: list[str] = field(default_factory=list)
-    model: str = ""  # the served model it runs on: the latency metrics' model_name label
-    broken_at: float | None = None  # when its upstream last broke, until the next token
-    # After a resume: ids the client already has that the new engine generates again (a
-    # cut back to a clean text boundary, or a restart from the start), and text likewise.
-    again_ids: list[int] = field(default_factory=list)
-    again_text: str = ""
-    pending: PendingText | None = None  # resumed inside a character: its text comes from us
-
-    @property
-    def tokens(self) -> int:
-        return len(self.ids)
-
-    @property
-    def context(self) -> int:
-        return len(self.prompt_ids or ()) + len(self.ids)
-
-
-@dataclass
-class PendingText:
-    """A stream resumed after ids that end inside a character (the client has the ids, not
-    yet the character): the new engine cannot print that character (its decoder starts from
-    a prompt cut inside it), so the gateway renders the text from the last whole character
-    on with the engine's `/detokenize` until it is whole again, and the engine's text after."""
-
-    context: list[int]  # prompt and generated ids up to the last whole character
-    base: str  # their text
-    ids: list[int]  # generated ids after it, growing as the engine streams
-
-
-class Diverged(Exception):
-    """A recomputed request did not regenerate what the client already has (sampling)."""
 
 
 class Gateway:
@@ -468,76 +433,12 @@ class Gateway:
 
     async def _plan(self, req: ClientRequest, progress: Progress, target: Target) -> ResumePlan:
         """The engine request that (re)starts `req` on `target` given its progress."""
-        if not progress.ids and not progress.again_ids and not progress.raw_text:
-            return ResumePlan(path_of(req.chat), req.first_body())
-        if (not req.guided and progress.prompt_ids is not None and progress.ids
-                and not progress.again_text):
-            cut = await self._clean_cut(target, progress)
-            context = (None if cut is None or req.limit is not None
-                       else await self._max_model_len(target))
-            if cut is not None and (req.limit is not None or context is not None):
-                plan = ResumePlan.by_cut(req, progress, *cut, context)
-                self.counters.inside_character += plan.pending is not None
-                return plan
-            log.warning("no clean text boundary in the last %d tokens (or no /detokenize on "
-                        "%s): recomputing the request from its start", CUT_WINDOW,
-                        target.worker)
-        self.counters.restarts += 1
-        return ResumePlan.restart(req, progress)
-
-    async def _clean_cut(self, target: Target, progress: Progress) -> tuple[int, str] | None:
-        """How many of the generated ids end on the last whole character the client has, and
-        the text up to there. An engine sends text once it is whole, so the ids after that
-        cut (the first bytes of a character, at most a few tokens) are ones whose text the
-        client does not have yet; an engine that starts from a prompt ending inside a
-        character cannot print it, so the gateway renders it (`PendingText`). The cut whose
-        text is exactly the text received is taken; `/detokenize` renders special tokens,
-        which streams skip, so without one the last cut that ends on a whole character is."""
-        assert progress.prompt_ids is not None
-        prompt, ids = progress.prompt_ids, progress.ids
-        base = await self._detokenize(target, prompt)
-        if base is None:
-            return None
-        want = base + progress.raw_text
-        whole: tuple[int, str] | None = None
-        for cut in range(len(ids), max(-1, len(ids) - CUT_WINDOW), -1):
-            text = await self._detokenize(target, [*prompt, *ids[:cut]])
-            if text is None:
-                return None
-            if text == want:
-                return cut, text
-            if whole is None and not text.endswith("\ufffd"):
-                whole = cut, text
-        return whole
-
-    async def _pending_text(self, target: Target, progress: Progress, ids: list[int],
-                            final: bool) -> str:
-        """The text a piece adds while the stream's last character is incomplete (see
-        `PendingText`): none until the character is whole, then all of it at once, as an
-        engine that had not been interrupted sends it. At the stream's end an incomplete
-        character is dropped, as engines drop it."""
-        pending = progress.pending
-        assert pending is not None
-        pending.ids += ids
-        if not ids and not final:
-            return ""
-        full = await self._detokenize(target, [*pending.context, *pending.ids])
-        if full is None or not full.startswith(pending.base):
-            raise Diverged(f"{target.worker} rendered the text before the cut differently")
-        text = full[len(pending.base):]
-        if text.endswith(_INCOMPLETE) and not final and len(pending.ids) < CUT_WINDOW:
-            return ""
-        progress.pending = None
-        if final and text.endswith(_INCOMPLETE):
-            # As an engine ends a stream: with the text its decoder had emitted, up to the
-            # last id after which the text was whole (a last token of whole characters and
-            # the first bytes of another emits none of them).
-            for k in range(len(pending.ids) - 1, -1, -1):
-                full = await self._detokenize(target, [*pending.context, *pending.ids[:k]])
-                if full is None or not full.endswith(_INCOMPLETE):
-                    break
-            text = full[len(pending.base):] if full is not None else ""
-        return text
+        plan = await resume_plan(req, progress, target.worker,
+                                 partial(self._detokenize, target),
+                                 partial(self._max_model_len, target))
+        self.counters.inside_character += plan.pending is not None
+        self.counters.restarts += plan.restarted
+        return plan
 
     async def _max_model_len(self, target: Target) -> int | None:
         """The target model's context length (`/v1/models`), remembered per worker."""
@@ -558,38 +459,6 @@ class Gateway:
                 self._context_of[target.worker] = length
                 return length
         return None
-
-    async def _ids_through_stop(self, target: Target, progress: Progress, ids: list[int],
-                                text: str, stop_end: int) -> int:
-        """How many of a chunk's `ids` (several: speculative decoding) an engine keeps when
-        the chunk's `text` completes a stop string at `stop_end`: through the token at which
-        its incremental decoder emits the text that completes it, as vLLM keeps them when it
-        matches stop strings itself. The decoder emits nothing while the text ends in an
-        incomplete character (U+FFFD), so a token whose bytes complete the stop and then
-        begin another character emits it only with a later token, the one kept last.
-        Without this the ids a stopped request reports would depend on where chunks happen
-        to break (a resumed stream breaks them elsewhere). All of them when it cannot tell."""
-        before = progress.ids[:len(progress.ids) - len(ids)]
-        context = before[-8:] if before else list((progress.prompt_ids or [])[-8:])
-        texts = await asyncio.gather(*(self._detokenize(target, [*context, *ids[:k]])
-                                       for k in range(len(ids))))
-        if texts[0] is None:
-            return len(ids)
-        # The context may end inside a character that this chunk completes; an incomplete
-        # character is rendered as U+FFFD and is no text yet (engines send it once whole).
-        base = texts[0].rstrip(_INCOMPLETE)
-        for k in range(1, len(ids)):
-            full = texts[k]
-            if full is None or not full.startswith(base):
-                return len(ids)
-            if full.endswith(_INCOMPLETE):
-                continue  # the decoder emits nothing at this token
-            added = full[len(base):]
-            if not text.startswith(added):
-                return len(ids)  # special tokens rendered, a U+FFFD of the text: unsure
-            if len(added) >= stop_end:
-                return k
-        return len(ids)
 
     async def _detokenize(self, target: Target, ids: list[int]) -> str | None:
         """The text of `ids` by the target's tokenizer; None when its engines have no
@@ -652,8 +521,8 @@ class Gateway:
             progress.ids += ids
             text = piece.text
             if progress.pending is not None:
-                text = await self._pending_text(target, progress, ids,
-                                                piece.finish_reason is not None)
+                text = await pending_text(partial(self._detokenize, target), target.worker,
+                                          progress, ids, piece.finish_reason is not None)
             progress.raw_text += text
             emitted = text  # what this chunk's ids add to the text, engine or gateway rendered
             if progress.again_text and text:
@@ -668,8 +537,8 @@ class Gateway:
             if scan.matched is not None:
                 finish, stop_reason = "stop", scan.matched
                 if len(ids) > 1 and scan.stop_end is not None and text == emitted:
-                    keep = await self._ids_through_stop(target, progress, ids, text,
-                                                        scan.stop_end)
+                    keep = await ids_through_stop(partial(self._detokenize, target),
+                                                  progress, ids, text, scan.stop_end)
                     if keep < len(ids):
                         del progress.ids[len(progress.ids) - len(ids) + keep:]
                         ids, entries = ids[:keep], entries[:keep]
@@ -897,62 +766,7 @@ class Gateway:
                         req.logprobs is not None, req.body["prompt"] if req.echo else None)
 
 
-CUT_WINDOW = 16  # generated ids looked back over for a clean text boundary
-
-
-@dataclass
-class ResumePlan:
-    """Where and how a request (re)starts, and what its progress becomes when it does."""
-
-    path: str
-    body: dict[str, Any]
-    resume: bool = False
-    by_ids: bool = False  # continues after its ids (a KV checkpoint can serve it)
-    how: str = "start"
-    keep: int | None = None  # generated ids kept as context; None: all
-    again_ids: list[int] = field(default_factory=list)
-    again_text: str = ""
-    pending: PendingText | None = None
-
-    @classmethod
-    def by_cut(cls, req: ClientRequest, progress: Progress, cut: int, text_at_cut: str,
-               max_model_len: int | None) -> ResumePlan:
-        """After all its ids; those after `cut` end inside a character, whose text the
-        gateway renders (`PendingText`)."""
-        assert progress.prompt_ids is not None
-        ids = progress.ids
-        pending = None
-        how = "after its token ids"
-        if cut < len(ids):
-            pending = PendingText([*progress.prompt_ids, *ids[:cut]], text_at_cut, ids[cut:])
-            how += f" (the last {len(ids) - cut} inside a character, rendered by the gateway)"
-        return cls("/v1/completions", req.resume_body([*progress.prompt_ids, *ids], len(ids),
-                                                      max_model_len),
-                   resume=True, by_ids=True, how=how, again_ids=[*progress.again_ids],
-                   pending=pending)
-
-    @classmethod
-    def restart(cls, req: ClientRequest, progress: Progress) -> ResumePlan:
-        why = "guided decoding" if req.guided else "no clean cut"
-        return cls(path_of(req.chat), req.first_body(), resume=True,
-                   how=f"recomputed from the start ({why}), skipping what the client has",
-                   keep=0, again_ids=[*progress.ids, *progress.again_ids],
-                   again_text=progress.raw_text + progress.again_text)
-
-    def apply(self, progress: Progress) -> None:
-        progress.pending = self.pending
-        if self.keep is None:
-            return
-        if self.keep == 0:
-            progress.raw_text = ""
-            progress.again_text = self.again_text
-        progress.ids = progress.ids[:self.keep]
-        progress.again_ids = list(self.again_ids)
-
-
 _encode = msgspec.json.Encoder()
-
-_INCOMPLETE = "\ufffd"  # how a tokenizer's decode renders the bytes of an unfinished character
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -986,10 +800,6 @@ async def _json(request: web.Request) -> Any:
     except (ValueError, LookupError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error"
                        ) from None
-
-
-def path_of(chat: bool) -> str:
-    return "/v1/chat/completions" if chat else "/v1/completions"
 
 
 def migrating(view: ClusterView) -> set[str]:
