@@ -192,8 +192,10 @@ def _summary(values: list[Any]) -> dict[str, float] | None:
     return {"mean": m, "ci95": half, "missing": len(values) - len(nums)}
 
 
-def _ratio(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str
+def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str
            ) -> dict[str, float] | None:
+    """The mean of the per-seed ratios a/b of `key` with its 95% interval, over the seeds
+    where both are numbers and b is not 0 (`pairs` of them); None without any."""
     pairs = [(float(x), float(y)) for da, db in zip(a, b, strict=True)
              if isinstance(x := da.get(key), (int, float))
              and isinstance(y := db.get(key), (int, float)) and y]
@@ -229,11 +231,24 @@ def summarise_cell(per_seed: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for name in LUMENS:
         if name not in per_seed:
             continue
-        ttft = _ratio(per_seed[name], per_seed[best], "mean_ttft_s")
-        recovery = _ratio(per_seed[name], per_seed[best], "recovery_time_s")
+        ttft = paired(per_seed[name], per_seed[best], "mean_ttft_s")
+        recovery = paired(per_seed[name], per_seed[best], "recovery_time_s")
         out[f"{name}_vs_best"] = {"ttft_ratio": ttft, "recovery_ratio": recovery,
                                   "ttft": verdict(ttft), "recovery": verdict(recovery)}
     return out
+
+
+def against_baselines(per_seed: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each policy's means with intervals and each LUMEN policy's TTFT and recovery ratio to
+    each baseline, paired by seed (the demo's closing table)."""
+    policies = {name: {key: _summary([d.get(key) for d in docs]) for key in KEYS}
+                for name, docs in per_seed.items()}
+    ratios = {f"{name}_vs_{base}": {
+        "ttft_ratio": (t := paired(per_seed[name], per_seed[base], "mean_ttft_s")),
+        "recovery_ratio": (r := paired(per_seed[name], per_seed[base], "recovery_time_s")),
+        "ttft": verdict(t), "recovery": verdict(r)}
+        for name in LUMENS if name in per_seed for base in BASELINES if base in per_seed}
+    return {"policies": policies, "ratios": ratios}
 
 
 def run_sweep(base: SimConfig, grid: Grid, seeds: Sequence[int], duration_s: float,
