@@ -58,6 +58,69 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     assert failed.returncode != 0
 
 
+def log_disk_cases(rules_file: Path) -> dict[str, Any]:
+    """promtool's unit test of the engine-log disk alerts: worker a at 512 MiB free, b at
+    50 GiB, c at 5 GiB steady, d falling from 9 GiB by 50 MiB a minute (empty in about 3 h)."""
+    series = 'lumen_engine_log_free_bytes{instance="%s:9440",job="lumend",worker="%s-w0"}'
+    mib = 2**20
+
+    shipped = {rule["alert"]: rule for rule in rules()}
+
+    def alert(host: str, name: str, summary: str) -> dict[str, Any]:
+        return {"exp_labels": {"severity": "warning", "instance": f"{host}:9440",
+                               "job": "lumend", "worker": f"{host}-w0"},
+                "exp_annotations": {"summary": summary,
+                                    "description": shipped[name]["annotations"]["description"]}}
+
+    return {
+        "rule_files": [str(rules_file)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": series % ("a", "a"), "values": f"{512 * mib}x60"},
+                {"series": series % ("b", "b"), "values": f"{50 * 1024 * mib}x60"},
+                {"series": series % ("c", "c"), "values": f"{5 * 1024 * mib}x60"},
+                {"series": series % ("d", "d"), "values": f"{9 * 1024 * mib}-{50 * mib}x60"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "5m", "alertname": "LumenEngineLogDiskLow", "exp_alerts": []},
+                {"eval_time": "15m", "alertname": "LumenEngineLogDiskLow",
+                 "exp_alerts": [alert("a", "LumenEngineLogDiskLow", "a:9440: 512MiB free "
+                                      "for the engine logs of a-w0")]},
+                {"eval_time": "20m", "alertname": "LumenEngineLogDiskFillingUp",
+                 "exp_alerts": []},
+                {"eval_time": "40m", "alertname": "LumenEngineLogDiskFillingUp",
+                 "exp_alerts": [alert("d", "LumenEngineLogDiskFillingUp", "d:9440: the "
+                                      "engine logs of d-w0 fill their disk within 6 hours "
+                                      "at the last hour's rate")]},
+            ],
+        }],
+    }
+
+
+@needs_prometheus
+def test_the_engine_log_disk_alerts_fire_for_a_low_or_filling_disk_only(
+        tmp_path: Path) -> None:
+    """A disk under 1 GiB for 10 min, and one that fills within 6 h at the last hour's rate,
+    alert; a full-enough steady disk does not. Negative control: with the threshold moved
+    below worker a's free space the same expectations fail."""
+    assert PROMTOOL is not None
+
+    def promtool_test(rules_file: Path) -> subprocess.CompletedProcess[str]:
+        cases = tmp_path / f"{rules_file.stem}.test.yml"
+        cases.write_text(yaml.safe_dump(log_disk_cases(rules_file)))
+        return subprocess.run([PROMTOOL, "test", "rules", str(cases)], capture_output=True,
+                              text=True, timeout=60)
+
+    tested = promtool_test(RULES)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    moved = tmp_path / "moved.yml"
+    moved.write_text(RULES.read_text().replace("lumen_engine_log_free_bytes < 1073741824",
+                                               "lumen_engine_log_free_bytes < 268435456"))
+    assert promtool_test(moved).returncode != 0
+
+
 def series_names(expr: str) -> set[str]:
     return set(re.findall(r"\blumen_[a-z_]+\b", expr))
 
@@ -190,6 +253,12 @@ def test_every_rule_evaluates_against_a_live_lumend(
                   "LumenTwoCoordinators", "LumenWorkerFailed", "LumenHaLoopStalled",
                   "LumenLeaseRenewalLate", "LumenGatewaySlowFirstToken"):
         assert selects(quiet) == [], quiet
+    # The engine-log disk alert reads the state dir's free space, per worker.
+    free = api(base, "query", query="lumen_engine_log_free_bytes")
+    assert free is not None and [r["metric"]["worker"] for r in free["result"]] == [
+        "n1-w0"], free
+    if shutil.disk_usage(node.config.parent).free > 2**31:  # the state dir is beside it
+        assert selects("LumenEngineLogDiskLow") == []
     # The latency alert's histograms carry the served model (model_name), as vLLM's do; the
     # old query without it (sum by (le), the dashboard's) still reads them.
     def by_model() -> list[Any] | None:
