@@ -19,22 +19,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.chaos import netlab
+from tests.chaos.peer_faults import SCENARIOS as PEER_SCENARIOS
 from tests.chaos.scenarios import HEADER, SCENARIOS, Row
+
+ALL = {**SCENARIOS, **PEER_SCENARIOS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), default=None)
+    parser.add_argument("--only", nargs="+", choices=sorted(ALL), default=None)
     args = parser.parse_args()
     why = netlab.available()
     if why is not None:
         sys.exit(f"bench/chaos.py: {why}")
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
-    for name in args.only or list(SCENARIOS):
+    for name in args.only or list(ALL):
         with tempfile.TemporaryDirectory(prefix=f"chaos-{name}-") as workdir:
             try:
-                row = SCENARIOS[name](Path(workdir))
+                row = ALL[name](Path(workdir))
             except Exception as exc:  # a scenario that could not finish is a row too
                 row = Row(name, notes=[f"FAILED: {type(exc).__name__}: {exc}"[:300]])
                 traceback.print_exc(file=sys.stderr)

@@ -143,6 +143,28 @@ class Host:
                     total += int(expr["counter"]["packets"])
         return self.dropped_before + total
 
+    def relay_inbound(self, ports: Sequence[int], offset: int = 10000) -> list[DelayProxy]:
+        """Every TCP connection another host opens to one of `ports` here goes through a
+        `DelayProxy` on this host: an nftables DNAT on arrival sends it to the relay (on
+        port + `offset`), which connects to the port locally, so its own connection is not
+        redirected. What other hosts send to those ports and what this host answers them
+        is delayed, each way; connections this host opens, or opens to itself, are not.
+        No delay until one is set. nat sees new connections only: make the relays before
+        the connections. Raises LabUnavailable when nftables cannot do it here."""
+        why = nft_available()
+        if why is not None:
+            raise LabUnavailable(why)
+        relays = [DelayProxy(self, f"{self.ip}:{port + offset}", f"{self.ip}:{port}",
+                             self.lab.workdir / f"{self.name}.in{port}").start()
+                  for port in ports]
+        rules = "".join(f"        ip saddr != {self.ip} tcp dport {port} "
+                        f"dnat to {self.ip}:{port + offset}\n" for port in ports)
+        _nft(self.ns, "table ip labnat {\n    chain prerouting {\n"
+                      "        type nat hook prerouting priority -100; policy accept;\n"
+                      f"{rules}    }}\n}}\n")
+        wait_listening(relays)
+        return relays
+
     def cut(self) -> None:
         """Take this host off the network (its link down)."""
         _ip("link", "set", "eth0", "down", ns=self.ns)
@@ -299,6 +321,7 @@ class EtcdMember:
     tmpfs_mib: int | None = None  # the data dir is a tmpfs of this size, etcd's alone
     argv: list[str] = field(default_factory=list)
     tmpfs: Tmpfs | None = None  # mounted at the first start, kept across restarts
+    peer_relays: list[DelayProxy] = field(default_factory=list)  # its inbound peer links
 
     def start(self) -> None:
         """Start (or restart) etcd on its data dir."""
@@ -321,12 +344,19 @@ class EtcdMember:
         return f"http://{self.host.ip}:2380"
 
 
-def start_etcd(lab: NetLab, size: int, tmpfs_mib: int | None = None) -> list[EtcdMember]:
+def start_etcd(lab: NetLab, size: int, tmpfs_mib: int | None = None,
+               relay_peers: bool = False) -> list[EtcdMember]:
     """`size` etcd members, each on a host of its own; returns once the cluster answers.
     With `tmpfs_mib` each member's data dir is a tmpfs of that size mounted in the member's
-    own mount namespace (gone with the process): a disk that can be filled."""
+    own mount namespace (gone with the process): a disk that can be filled. With
+    `relay_peers` what every member receives on its peer port goes through a `DelayProxy`
+    on its host (`Host.relay_inbound`; no delay until one is set): a message between two
+    members crosses one relay, a round trip two. Client traffic is not relayed."""
     members = [EtcdMember(lab.host(f"etcd{i}"), f"etcd{i}", data_dir=lab.workdir / f"etcd{i}.data",
                           tmpfs_mib=tmpfs_mib) for i in range(size)]
+    if relay_peers:
+        for m in members:
+            m.peer_relays = m.host.relay_inbound([2380])
     initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
     hygiene: list[str] = []
     if ETCD_AUTO_COMPACTION_RETENTION is not None:
@@ -356,6 +386,19 @@ def start_etcd(lab: NetLab, size: int, tmpfs_mib: int | None = None) -> list[Etc
 
 
 DELAY_PROXY = Path(__file__).with_name("delayproxy.py")
+
+
+def wait_listening(relays: Sequence[DelayProxy], timeout_s: float = 10.0) -> None:
+    """Until every relay has reported once (it reports once it listens)."""
+    deadline = time.monotonic() + timeout_s
+    for relay in relays:
+        stats = relay.control.with_name(relay.control.name + ".stats")
+        while not stats.exists():
+            if (relay.proc is not None and relay.proc.poll() is not None) \
+                    or time.monotonic() > deadline:
+                raise LabUnavailable(f"the delay relay on {relay.listen} did not start: see "
+                                     f"{relay.control.with_suffix('.log')}")
+            time.sleep(0.05)
 
 
 @dataclass
@@ -410,6 +453,7 @@ class Node:
     proc: subprocess.Popen[bytes] | None = None
     state: Tmpfs | None = None  # its state dir, when that is a tmpfs
     etcd_relays: list[DelayProxy] = field(default_factory=list)  # its paths to etcd, if relayed
+    peer_relays: list[DelayProxy] = field(default_factory=list)  # what its peers send it
 
     def start(self) -> Node:
         self.proc = self.host.popen([sys.executable, "-m", "lumend", "run", "--config",
@@ -431,13 +475,16 @@ GATEWAY, RPC, CHECKPOINT, METRICS, ENGINES = 8100, 8200, 8300, 8400, 8500
 def start_node(lab: NetLab, name: str, endpoints: Sequence[str], cluster: str, *,
                lease_ttl_s: int = 3, shadows: int = 0, engine_args: Sequence[str] = (),
                gateway_settings: str = "", state_tmpfs_mib: int | None = None,
-               relay_etcd: bool = False) -> Node:
+               relay_etcd: bool = False, relay_peers: bool = False) -> Node:
     """A lumend node with one sim worker on a host of its own (the local cluster's config,
     on the host's address); `gateway_settings`: extra `[gateway]` lines; `state_tmpfs_mib`:
     its state dir (engine logs) is a tmpfs of that size, lumend's alone; `relay_etcd`: the
     node reaches each etcd endpoint through a `DelayProxy` on its own host (no delay until
-    one is set)."""
+    one is set); `relay_peers`: what other hosts send to its RPC, checkpoint and engine
+    ports (Admit and Recover, checkpoint streams to its holder, gateways' streams from its
+    engine) goes through a `DelayProxy` each on its host (`Host.relay_inbound`)."""
     host = lab.host(name)
+    peer_relays = host.relay_inbound([RPC, CHECKPOINT, ENGINES]) if relay_peers else []
     relays: list[DelayProxy] = []
     if relay_etcd:
         for i, endpoint in enumerate(endpoints):
@@ -454,7 +501,8 @@ def start_node(lab: NetLab, name: str, endpoints: Sequence[str], cluster: str, *
     config = lab.workdir / f"{name}.toml"
     config.write_text(text)
     node = Node(host, name, config, lab.workdir / f"{name}.log",
-                f"http://{host.ip}:{GATEWAY}", f"{host.ip}:{RPC}", etcd_relays=relays)
+                f"http://{host.ip}:{GATEWAY}", f"{host.ip}:{RPC}", etcd_relays=relays,
+                peer_relays=peer_relays)
     if state_tmpfs_mib is not None:
         node.state = Tmpfs(host, lab.workdir / name / "state", state_tmpfs_mib).mount()
     return node.start()

@@ -65,16 +65,18 @@ class Cluster:
     def __init__(self, lab: NetLab, etcd_members: int, nodes: int,
                  etcd_tmpfs_mib: int | None = None,
                  state_tmpfs_mib: dict[str, int] | None = None,
-                 relay_etcd: bool = False) -> None:
+                 relay_etcd: bool = False, relay_etcd_peers: bool = False,
+                 relay_node_peers: bool = False) -> None:
         self.lab = lab
         self.name = "chaos"
-        self.etcd: list[EtcdMember] = start_etcd(lab, etcd_members, tmpfs_mib=etcd_tmpfs_mib)
+        self.etcd: list[EtcdMember] = start_etcd(lab, etcd_members, tmpfs_mib=etcd_tmpfs_mib,
+                                                 relay_peers=relay_etcd_peers)
         self.endpoints = [m.client_url for m in self.etcd]
         self.nodes: list[Node] = [
             start_node(lab, f"node-{i + 1}", self.endpoints, self.name,
                        engine_args=ENGINE_ARGS, gateway_settings=GATEWAY_SETTINGS,
                        state_tmpfs_mib=(state_tmpfs_mib or {}).get(f"node-{i + 1}"),
-                       relay_etcd=relay_etcd)
+                       relay_etcd=relay_etcd, relay_peers=relay_node_peers)
             for i in range(nodes)]
 
     def view(self, endpoints: list[str] | None = None) -> ClusterView:
@@ -265,16 +267,20 @@ async def old_coordinator_refuses(node: Node) -> bool:
 
 @contextmanager
 def lab_cluster(workdir: Path, etcd_members: int, etcd_tmpfs_mib: int | None = None,
-                state_tmpfs_mib: dict[str, int] | None = None, relay_etcd: bool = False
+                state_tmpfs_mib: dict[str, int] | None = None, relay_etcd: bool = False,
+                relay_etcd_peers: bool = False, relay_node_peers: bool = False
                 ) -> Iterator[tuple[NetLab, Cluster]]:
     """A lab with `etcd_members` etcd members and 3 lumend nodes, removed afterwards
     (`state_tmpfs_mib`: node name -> the size of a tmpfs for its state dir; `relay_etcd`:
-    every node reaches etcd through a delay relay on its host)."""
+    every node reaches etcd through a delay relay on its host; `relay_etcd_peers`: etcd
+    members reach each other through delay relays; `relay_node_peers`: the same between
+    nodes)."""
     lab = NetLab(workdir)
     try:
         yield lab, Cluster(lab, etcd_members=etcd_members, nodes=3,
                            etcd_tmpfs_mib=etcd_tmpfs_mib, state_tmpfs_mib=state_tmpfs_mib,
-                           relay_etcd=relay_etcd)
+                           relay_etcd=relay_etcd, relay_etcd_peers=relay_etcd_peers,
+                           relay_node_peers=relay_node_peers)
     finally:
         lab.close()
 

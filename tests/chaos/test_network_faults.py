@@ -193,3 +193,47 @@ def test_the_lab_delays_what_it_is_told(tmp_path: Path) -> None:
         assert relay.stats()["chunks"] > held["chunks"]
     finally:
         lab.close()
+
+
+@pytest.mark.skipif(netlab.nft_available() is not None, reason=str(netlab.nft_available()))
+def test_the_lab_delays_what_a_host_receives_from_others(tmp_path: Path) -> None:
+    """The control for the peer-link delay rows (etcd members, nodes): with a host's port
+    relayed inbound and 150 ms set, a round trip from another host takes at least 300 ms
+    and the relay counts what it held; the host's own connection to the port does not pass
+    the relay; set to 0, the other host's round trip passes it and nothing is held."""
+    lab = netlab.NetLab(tmp_path)
+    try:
+        a, b = lab.host("a"), lab.host("b")
+        [relay] = a.relay_inbound([9000])
+        a.popen([sys.executable, "-m", "http.server", "9000", "--bind", a.ip], tmp_path / "a.log")
+        fetch = (f"import time, urllib.request\nfor _ in range(100):\n"
+                 f" try:\n  urllib.request.urlopen('http://{a.ip}:9000/', timeout=5).read()\n"
+                 f"  break\n except OSError: time.sleep(0.1)\n"
+                 f"began = time.monotonic()\n"
+                 f"urllib.request.urlopen('http://{a.ip}:9000/', timeout=10).read()\n"
+                 f"print(time.monotonic() - began)")
+
+        def round_trip(host: netlab.Host) -> float:
+            done = subprocess.run(["ip", "netns", "exec", host.ns, sys.executable, "-c", fetch],
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return float(done.stdout)
+
+        round_trip(b)
+        relay.delay(150)
+        time.sleep(0.3)  # read ten times a second
+        assert round_trip(b) >= 0.3
+        time.sleep(0.3)  # its next report
+        held = relay.stats()
+        assert held["chunks_delayed"] >= 2, held
+        round_trip(a)  # its own connection bypasses the relay
+        time.sleep(0.3)
+        assert relay.stats() == held
+        relay.delay(0)
+        time.sleep(0.3)
+        round_trip(b)
+        time.sleep(0.3)
+        assert relay.stats()["chunks"] > held["chunks"]
+        assert relay.stats()["chunks_delayed"] == held["chunks_delayed"]
+    finally:
+        lab.close()

@@ -10,6 +10,13 @@ from pathlib import Path
 import pytest
 
 from . import netlab
+from .peer_faults import (
+    etcd_disks_full_in_turn,
+    etcd_peer_rtt,
+    etcd_peer_rtt_1000ms,
+    node_peer_rtt,
+    node_peer_rtt_1000ms,
+)
 from .scenarios import (
     Row,
     coordinator_paused_past_its_ttl,
@@ -90,3 +97,43 @@ def test_a_round_trip_to_etcd_past_the_request_timeout_is_named_in_the_log(
     assert row.streams == row.identical, row
     assert any(n.endswith("nodes' logs name [etcd] request_timeout_s")
                and not n.startswith("0 ") for n in row.notes), row
+
+
+def test_streams_outlive_200_ms_more_between_etcd_members(tmp_path: Path) -> None:
+    row = etcd_peer_rtt(tmp_path)
+    void(row)
+    assert row.streams == row.identical == 16, row
+    assert any(n.startswith("a write committed in") and n.endswith("under it")
+               for n in row.notes), row
+
+
+def test_streams_outlive_a_round_trip_between_etcd_members_at_its_election_timeout(
+        tmp_path: Path) -> None:
+    """+1000 ms between members: etcd's writes take a round trip between members (past the
+    lab's 1 s request timeout); what that does to leases and elections is in the row."""
+    row = etcd_peer_rtt_1000ms(tmp_path)
+    void(row)
+    assert row.streams == row.identical == 16, row
+
+
+def test_streams_outlive_200_ms_more_between_nodes(tmp_path: Path) -> None:
+    row = node_peer_rtt(tmp_path)
+    void(row)
+    assert row.streams == row.identical == 16, row
+    assert not any(n.startswith("0/") for n in row.notes), f"no Admit answered ({row})"
+
+
+def test_streams_outlive_1000_ms_more_between_nodes(tmp_path: Path) -> None:
+    row = node_peer_rtt_1000ms(tmp_path)
+    void(row)
+    assert row.streams == row.identical == 16, row
+
+
+def test_etcd_members_filling_their_disks_in_turn_keep_quorum_and_streams(
+        tmp_path: Path) -> None:
+    row = etcd_disks_full_in_turn(tmp_path)
+    void(row)
+    assert row.streams == row.identical == 24, row
+    assert sum(n.startswith("a write committed") and " exited" in n
+               for n in row.notes) == 2, row
+    assert sum(" healthy " in n for n in row.notes) == 2, row
