@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 ## test: ruff and mypy over lumend/ and lumenctl/, then the test suite
 test: lint
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=30 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check lumend lumenctl tests bench
