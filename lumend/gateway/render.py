@@ -4,17 +4,19 @@ from what the engines streamed (first the client's own endpoint, after a resume 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 
-@dataclass(frozen=True)
-class Out:
-    """One step of the request's output, ready to send."""
+_encode = msgspec.json.Encoder().encode
+
+
+class Out(msgspec.Struct, frozen=True):
+    """One step of the request's output, ready to send (a Struct: one is made per chunk)."""
 
     text: str
     token_ids: tuple[int, ...] = ()
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token, chat shape
+    logprobs: list[dict[str, Any]] = []  # per token, chat shape
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     more: bool = False  # more output is ready behind this one: a writer may hold it for it
@@ -64,6 +66,32 @@ class Renderer:
         self._echo = echo
         self._started = False
         self.text_offset = 0  # characters of completion text before the next chunk
+        self._plain = self._plain_template()
+
+    def events(self, out: Out, prompt_ids: list[int] | None) -> list[bytes]:
+        """`chunks` as the server-sent events the client receives. A chunk of text alone
+        (most of a stream's) is the request's template around the encoded text: the same
+        bytes, without building and encoding the whole chunk each time."""
+        if (self._plain is not None and out.text and out.finish_reason is None
+                and self._started):
+            self.text_offset += len(out.text)
+            return [self._plain[0] + _encode(out.text) + self._plain[1]]
+        return [b"data: " + _encode(chunk) + b"\n\n" for chunk in self.chunks(out, prompt_ids)]
+
+    def _plain_template(self) -> tuple[bytes, bytes] | None:
+        """The event of a text-only chunk, split where its text goes; None when the client
+        wants more than text (ids, logprobs) in every chunk."""
+        if self.want_ids or self.want_logprobs:
+            return None
+        marker = "\u2063lumen\u2063"  # invisible separators: in no id or model name
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": marker}
+        else:
+            choice["text"] = marker
+        choice["finish_reason"] = None
+        parts = (b"data: " + _encode(self._chunk(choice)) + b"\n\n").split(_encode(marker))
+        return (parts[0], parts[1]) if len(parts) == 2 else None
 
     def chunks(self, out: Out, prompt_ids: list[int] | None) -> list[dict[str, Any]]:
         """The chunks to stream for `out` (none when it carries nothing the client sees)."""

@@ -505,6 +505,17 @@ class Gateway:
         async for piece in upstream.pieces():
             if piece.prompt_token_ids is not None and progress.prompt_ids is None:
                 progress.prompt_ids = list(piece.prompt_token_ids)
+            if (piece.finish_reason is None and piece.logprobs is None and not scan.stops
+                    and not progress.again_ids and progress.pending is None
+                    and not progress.again_text):
+                # Most chunks: text and ids to pass on as they are (what the general path
+                # below does for them, without its checks and copies).
+                progress.ids += piece.token_ids
+                progress.raw_text += piece.text
+                progress.text += piece.text
+                await on_out(Out(piece.text, piece.token_ids, [], None, None,
+                                 upstream.more_ready()))
+                continue
             ids = list(piece.token_ids)
             entries = token_logprobs(piece.logprobs, chat_upstream)
             if progress.again_ids and ids:
@@ -720,7 +731,7 @@ class Gateway:
                 raise ClientGone(str(exc)) from None
 
         async def send(out: Out) -> None:
-            held.extend(_sse(chunk) for chunk in renderer.chunks(out, progress.prompt_ids))
+            held.extend(renderer.events(out, progress.prompt_ids))
             if not out.more and held and out.finish_reason is None:
                 await write(b"")
 

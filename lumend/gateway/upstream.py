@@ -38,9 +38,9 @@ class EngineError(Exception):
         self.status, self.body = status, body
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One chunk of an engine's stream, for the request's only choice."""
+class Piece(msgspec.Struct, frozen=True):
+    """One chunk of an engine's stream, for the request's only choice (a Struct: one is
+    made per streamed chunk, faster than a frozen dataclass)."""
 
     text: str
     finish_reason: str | None
@@ -136,9 +136,57 @@ def parse_chunk(chunk: dict[str, Any]) -> Piece | None:
 _decode = msgspec.json.Decoder().decode
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | msgspec.UnsetType | None = msgspec.UNSET
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType | None = msgspec.UNSET
+    stop_reason: str | int | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    prompt_token_ids: list[int] | None = None
+    error: Any = msgspec.UNSET
+
+
+_decode_typed = msgspec.json.Decoder(_Chunk).decode
+
+
 def _piece_of(data: bytes) -> Piece | None:
     """One SSE `data:` payload as a Piece (None for one without a choice); raises
-    StreamBroken for an error event."""
+    StreamBroken for an error event. The chunks engines send decode straight into typed
+    structs (`parse_chunk`'s rules, a third of its cost per chunk); anything else (an error
+    event, a field of another type) takes the general path."""
+    try:
+        typed = _decode_typed(data)
+    except msgspec.DecodeError:
+        pass
+    else:
+        if typed.error is msgspec.UNSET:
+            prompt = typed.prompt_token_ids
+            if not typed.choices:
+                return None if prompt is None else Piece("", None, (), tuple(prompt))
+            choice = typed.choices[0]
+            if not isinstance(choice.text, msgspec.UnsetType):
+                text = choice.text
+            else:
+                text = None if choice.delta is None else choice.delta.content
+            if not isinstance(choice.prompt_token_ids, msgspec.UnsetType):
+                prompt = choice.prompt_token_ids
+            return Piece(text or "", choice.finish_reason, tuple(choice.token_ids or ()),
+                         None if prompt is None else tuple(prompt), choice.stop_reason,
+                         choice.logprobs)
+    return _piece_of_json(data)
+
+
+def _piece_of_json(data: bytes) -> Piece | None:
     try:
         chunk = _decode(data)
     except msgspec.DecodeError as exc:
@@ -228,16 +276,21 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
     tokens = 0
     partial = b""
     try:
+        content = response.content
         while True:
-            wait = (END_WAIT_S if finished else timeouts.first_token_s if not tokens
-                    else timeouts.inactivity_s)
-            try:
-                async with asyncio.timeout(wait):
-                    data = await response.content.readany()
-            except TimeoutError:
-                raise StreamBroken(f"no token for {wait:g} s ("
-                                   f"{'before the first' if not tokens else 'after'} "
-                                   f"{tokens} tokens)") from None
+            # What arrived while the last batch was handed on needs no timer (a busy
+            # gateway's usual case; a timer costs as much as parsing a chunk).
+            data = content.read_nowait()
+            if not data:
+                wait = (END_WAIT_S if finished else timeouts.first_token_s if not tokens
+                        else timeouts.inactivity_s)
+                try:
+                    async with asyncio.timeout(wait):
+                        data = await content.readany()
+                except TimeoutError:
+                    raise StreamBroken(f"no token for {wait:g} s ("
+                                       f"{'before the first' if not tokens else 'after'} "
+                                       f"{tokens} tokens)") from None
             if not data:
                 break
             lines = (partial + data).split(b"\n")
@@ -351,8 +404,9 @@ class Upstream:
     async def pieces(self) -> AsyncIterator[Piece]:
         """The pieces, in order; raises what ended the stream (EngineRefused, StreamBroken,
         EngineError for a 4xx) or MigrateAway when `migrate` was asked."""
+        items = self._items
         while True:
-            item = await self._next()
+            item = items.popleft() if items else await self._next()
             if item is _END:
                 return
             if item is _MIGRATE:
