@@ -142,6 +142,7 @@ async def under_delay(cluster: Cluster, row: Row, relays: list[DelayProxy], one_
         if started is not None:
             row.notes += await asyncio.to_thread(started, via)
         coordinated, local = await asyncio.to_thread(decided)
+        marks = {n.name: len(n.log_text()) for n in cluster.nodes}
         before = await asyncio.to_thread(http_round_trip_s, probe_url)
         held_before = sum(r.stats()["chunks_delayed"] for r in relays)
         fault = time.monotonic()
@@ -174,6 +175,9 @@ async def under_delay(cluster: Cluster, row: Row, relays: list[DelayProxy], one_
         row.notes.append(f"{held} chunks delayed in {time.monotonic() - fault:.0f} s")
         if held <= 0:
             row.notes.append("VOID: the relays delayed nothing")
+        stepped = sum(n.log_text()[marks[n.name]:].count("stepped down as coordinator")
+                      for n in cluster.nodes)
+        row.notes.append(f"{stepped} coordinator step-downs logged during the delay")
         await delayed(relays, 0)
         healed = time.monotonic()
         await asyncio.to_thread(cluster.wait, cluster.settled, 60, "settled again")
