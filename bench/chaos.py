@@ -1,7 +1,8 @@
 """The fault matrix: chaos scenarios on a namespace lab (real etcd and lumend processes, each
 in a network namespace of its own; see tests/chaos/), each under streaming load through a
-gateway. Needs root (and nftables for the packet-loss rows; the delay rows relay lumend's
-etcd traffic through tests/chaos/delayproxy.py, the full-disk rows mount small tmpfs).
+gateway. Needs root (and nftables for the packet-loss rows and the peer-link delay rows;
+the delay rows relay traffic through tests/chaos/delayproxy.py: lumend's to etcd, etcd
+members' to each other, nodes' to each other; the full-disk rows mount small tmpfs).
 Prints one row per scenario; asserts nothing. Every row is also a test in tests/chaos/: CI
 runs the quick ones, the `slow_chaos` ones run with LUMEN_SLOW_CHAOS=1.
 
