@@ -99,6 +99,7 @@ def test_a_round_trip_to_etcd_past_the_request_timeout_is_named_in_the_log(
                and not n.startswith("0 ") for n in row.notes), row
 
 
+@pytest.mark.skipif(netlab.nft_available() is not None, reason=str(netlab.nft_available()))
 def test_streams_outlive_200_ms_more_between_etcd_members(tmp_path: Path) -> None:
     row = etcd_peer_rtt(tmp_path)
     void(row)
@@ -107,6 +108,7 @@ def test_streams_outlive_200_ms_more_between_etcd_members(tmp_path: Path) -> Non
                for n in row.notes), row
 
 
+@pytest.mark.skipif(netlab.nft_available() is not None, reason=str(netlab.nft_available()))
 def test_streams_outlive_a_round_trip_between_etcd_members_at_its_election_timeout(
         tmp_path: Path) -> None:
     """+1000 ms between members: etcd's writes take a round trip between members (past the
@@ -116,6 +118,7 @@ def test_streams_outlive_a_round_trip_between_etcd_members_at_its_election_timeo
     assert row.streams == row.identical == 16, row
 
 
+@pytest.mark.skipif(netlab.nft_available() is not None, reason=str(netlab.nft_available()))
 def test_streams_outlive_200_ms_more_between_nodes(tmp_path: Path) -> None:
     row = node_peer_rtt(tmp_path)
     void(row)
@@ -123,6 +126,7 @@ def test_streams_outlive_200_ms_more_between_nodes(tmp_path: Path) -> None:
     assert not any(n.startswith("0/") for n in row.notes), f"no Admit answered ({row})"
 
 
+@pytest.mark.skipif(netlab.nft_available() is not None, reason=str(netlab.nft_available()))
 def test_streams_outlive_1000_ms_more_between_nodes(tmp_path: Path) -> None:
     row = node_peer_rtt_1000ms(tmp_path)
     void(row)
