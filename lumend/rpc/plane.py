@@ -47,7 +47,7 @@ class ControlPlane:
         # A recovery waits about one lease TTL for a successor when the coordinator dies.
         self.link = CoordinatorLink(
             config.node.name, lambda: agent.view, tls,
-            LinkTiming(coordinator_wait_s=config.etcd.lease_ttl_s + 2.0))
+            link_timing(config))
         self.progress = ProgressReporter(self._holdings, lambda: agent.view, tls)
         # While elected: the intents in each snapshot become Agent orders to their nodes.
         self.commands = AgentCommands(tls)
@@ -89,3 +89,12 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await self.server.stop()
+
+
+def link_timing(config: NodeConfig) -> LinkTiming:
+    """The gateway's coordinator link timing from the node's config: a recovery waits about
+    one lease TTL for a successor when the coordinator dies; the call deadlines come from
+    `[gateway] admit_deadline_s` (a recovery's is twice an admission's)."""
+    return LinkTiming(coordinator_wait_s=config.etcd.lease_ttl_s + 2.0,
+                      admit_deadline_s=config.gateway.admit_deadline_s,
+                      recover_deadline_s=2 * config.gateway.admit_deadline_s)

@@ -138,7 +138,7 @@ def test_example_documents_every_key() -> None:
     keys = ["state_dir", "runtime_dir", "heartbeat_interval_s", "request_timeout_s"]
     keys += ["ca_cert", "cert", "key", "eviction", "budget_bytes", "draft_model", "args"]
     keys += ["keys", "insecure", "drain_s", "first_token_s", "max_streams", "kv_cache_bytes"]
-    keys += ["assist", "client_write_s", "api_keys", "pool_wait_s"]
+    keys += ["assist", "client_write_s", "api_keys", "pool_wait_s", "admit_deadline_s"]
     for key in keys:
         assert f"{key} =" in text, key
 

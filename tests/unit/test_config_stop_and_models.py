@@ -37,6 +37,25 @@ def test_pool_wait_s_default_and_bounds() -> None:
         assert problem.key == "gateway.pool_wait_s" and "pool_wait_s = 5" in problem.fix
 
 
+def test_admit_deadline_s_default_bounds_and_the_link_it_sets() -> None:
+    """[gateway] admit_deadline_s: 0.5 s by default; the gateway's coordinator link waits
+    that long for an admission and twice as long for a recovery (slow links between nodes
+    would otherwise send every admission of a remote gateway down the local path)."""
+    from lumend.rpc.plane import link_timing
+
+    assert parse_config(config_text()).gateway.admit_deadline_s == 0.5
+    config = parse_config(config_text(gateway={"admit_deadline_s": 2.5}))
+    timing = link_timing(config)
+    assert (timing.admit_deadline_s, timing.recover_deadline_s) == (2.5, 5.0)
+    assert timing.coordinator_wait_s == config.etcd.lease_ttl_s + 2.0
+    for bad in (0, -1, "soon"):
+        with pytest.raises(ConfigError) as caught:
+            parse_config(config_text(gateway={"admit_deadline_s": bad}))
+        [problem] = caught.value.problems
+        assert problem.key == "gateway.admit_deadline_s" and "admit_deadline_s = 0.5" in \
+            problem.fix
+
+
 def check_config(tmp_path: Path, model: str, *flags: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "lumend.toml"
     path.write_text(config_text(workers=[worker(engine="vllm", model=model)]))
