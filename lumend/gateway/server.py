@@ -719,6 +719,14 @@ class Gateway:
             try:
                 if not response.prepared:
                     await response.prepare(request)
+                transport = request.transport
+                if (not end and transport is not None and not request.protocol.writing_paused
+                        and transport.get_write_buffer_size() + len(data)
+                        <= transport.get_write_buffer_limits()[1]):
+                    # Writing is not paused and this write does not pause it: it cannot wait
+                    # for the client, so it needs no timer (one per chunk, otherwise).
+                    await response.write(data)
+                    return
                 async with asyncio.timeout(self.timing.client_write_s):
                     if end:
                         await response.write_eof(data)
