@@ -146,7 +146,7 @@ async def find_case(session: aiohttp.ClientSession, engine: str
 
 async def _test_a_stop_in_the_gateway_rendered_chunk_keeps_the_engines_ids(
         tmp_path: Path) -> None:
-    async with cluster(tmp_path, BPE, workers=1) as (_, base, sups), \
+    async with cluster(tmp_path, [*BPE, "--time-scale", "0.1"], workers=1) as (_, base, sups), \
             aiohttp.ClientSession() as session:
         engine = sups[0].record().engines[0].url
         case = await find_case(session, engine)
