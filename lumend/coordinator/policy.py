@@ -43,7 +43,7 @@ forms): decisions in seconds.
   unbalance serving). `least_loaded` admits and picks recompute targets by it.
 * Algorithm 2 by estimated completion time (`route_by_completion`): resume at the holder
   (its queued work + restore bytes / restore bandwidth + the tail's recompute) against
-  recompute at the survivor with the least queued work (its work + the whole context's
+  recompute at the survivor where that completes soonest (its work + the whole context's
   recompute), each plus the delay the request's own seconds impose on the requests already
   there (`delay_weight`; `completion_estimates`); resume on ties. Queued work is
   `LoadSnapshot.work_s` when the caller gives it (seconds of queued prefill and restores
@@ -271,22 +271,25 @@ def completion_estimates(
     work + its own restore/recompute seconds) plus `delay_weight` times the delay its own
     seconds impose on the requests already at the target (they share its GPU steps): the
     extra work of recomputing delays everyone behind it, which matters most when the
-    survivors are overloaded."""
+    survivors are overloaded. The recompute target is the live worker where that cost of
+    recomputing the whole context is least."""
     queued = work(snapshot, cfg)
-    weight = cfg.delay_weight
-    # Least queued work; on a tie (counts-only views: every running request has had its
-    # prefill) the shorter queue, whose running requests share fewer steps with it.
-    live = [i for i, q in enumerate(queued) if q != math.inf]
-    target = min(live, key=lambda i: (queued[i], snapshot.queue[i])) if live else None
-    recompute = math.inf
-    if target is not None:
-        own = recompute_s(total_tokens, cfg)
-        recompute = queued[target] + own * (1.0 + weight * snapshot.queue[target])
+    weight, queue = cfg.delay_weight, snapshot.queue
+
+    def cost(worker: int, own: float) -> float:
+        return queued[worker] + own * (1.0 + weight * queue[worker])
+
+    # The target is where recomputing is estimated to complete soonest, by the same cost as
+    # the comparison below, so routing never takes a strictly slower option under it. Least
+    # queued work alone ignored the decode batch the delay term counts (a counts-only view's
+    # work leaves running requests out). Ties: the shorter queue, then the lowest index.
+    own = recompute_s(total_tokens, cfg)
+    costs = [(cost(i, own), queue[i], i) for i, q in enumerate(queued) if q != math.inf]
+    recompute, _, target = min(costs) if costs else (math.inf, 0, None)
     resume = math.inf
     if holder is not None and snapshot.alive[holder] and prefix_blocks > 0:
         tokens = min(prefix_blocks * cfg.block_tokens, max(total_tokens - 1, 0))
-        own = restore_s(tokens, cfg) + recompute_s(total_tokens - tokens, cfg)
-        resume = queued[holder] + own * (1.0 + weight * snapshot.queue[holder])
+        resume = cost(holder, restore_s(tokens, cfg) + recompute_s(total_tokens - tokens, cfg))
     return resume, target, recompute
 
 
@@ -295,7 +298,7 @@ def route_by_completion(
     total_tokens: int | None = None,
 ) -> Route | None:
     """Algorithm 2 by estimated completion time: resume at the holder unless recomputing at
-    the survivor with the least queued work is strictly faster (`completion_estimates`).
+    the survivor where that completes soonest is strictly faster (`completion_estimates`).
     `total_tokens` (prompt + generated) defaults to the checkpointed prefix."""
     total = prefix_blocks * cfg.block_tokens if total_tokens is None else total_tokens
     resume, target, recompute = completion_estimates(snapshot, holder, prefix_blocks, total,

@@ -8,6 +8,8 @@ from dataclasses import replace
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lumend.coordinator import policy
 from lumend.coordinator.policy import GIB, LoadSnapshot, Mode, PolicyConfig, WorkerLoad
@@ -61,6 +63,87 @@ def test_routing_never_picks_the_option_its_own_estimate_says_is_slower() -> Non
             assert route.worker == target and recompute < resume
             assert alive[route.worker]
     assert resumed > 100 and recomputed > 100  # both branches exercised
+
+
+def estimate(s: LoadSnapshot, worker: int, own_s: float, cfg: PolicyConfig) -> float:
+    """The policy's cost of running `own_s` seconds of a request's work on `worker`, written
+    out here: queued work + own seconds x (1 + delay_weight x queue)."""
+    return policy.work(s, cfg)[worker] + own_s * (1.0 + cfg.delay_weight * s.queue[worker])
+
+
+@st.composite
+def routing_cases(draw: st.DrawFn) -> tuple[LoadSnapshot, int | None, int, int, PolicyConfig]:
+    n = draw(st.integers(1, 8))
+    queue = draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    alive = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    # Work as the simulator gives it (seconds per worker), as the coordinator's counts-only
+    # views do (beta x the requests not yet running), or none (beta x queue).
+    form = draw(st.sampled_from(["given", "counts", "none"]))
+    beta = draw(st.sampled_from([0.0, 0.1155, 0.5]))
+    work: list[float] | None = None
+    if form == "given":
+        work = draw(st.lists(st.floats(0, 30), min_size=n, max_size=n))
+    elif form == "counts":
+        running = [draw(st.integers(0, q)) for q in queue]
+        work = [beta * (q - r) for q, r in zip(queue, running, strict=True)]
+    cfg = replace(COST, beta=beta, delay_weight=draw(st.sampled_from([0.0, 0.5, 1.0])),
+                  restore_bytes_per_s=draw(st.sampled_from([1e9, 25e9])),
+                  recompute_s_per_token=draw(st.sampled_from([0.0, 1e-4, 4e-4])))
+    holder = draw(st.sampled_from([None, *range(n)]))
+    blocks = draw(st.integers(0, 300))
+    total = blocks * 16 + draw(st.integers(1, 64))
+    return snap(queue, work, alive=alive), holder, blocks, total, cfg
+
+
+@settings(max_examples=600, deadline=None)
+@given(routing_cases())
+def test_recompute_target_minimises_the_estimate_and_routing_never_picks_a_slower_option(
+    case: tuple[LoadSnapshot, int | None, int, int, PolicyConfig],
+) -> None:
+    """Over every live survivor: the recompute target is where recomputing the whole context
+    is estimated to complete soonest (ties: shorter queue, then lower index), and the route
+    is never strictly slower, by that estimate, than resuming at the holder or recomputing
+    on any survivor. (The old target, least queued work, failed this: it ignored the delay
+    term's queue.)"""
+    s, holder, blocks, total, cfg = case
+    resume, target, recompute = policy.completion_estimates(s, holder, blocks, total, cfg)
+    route = policy.recover(s, holder, blocks, cfg, total)
+    live = [i for i, ok in enumerate(s.alive) if ok]
+    if not live:
+        assert target is None and recompute == math.inf and route is None
+        return
+    own = policy.recompute_s(total, cfg)
+    costs = {i: estimate(s, i, own, cfg) for i in live}
+    best = min(costs.values())
+    assert target is not None and recompute == costs[target] == best
+    assert target == min((i for i in live if costs[i] == best), key=lambda i: (s.queue[i], i))
+    options = list(costs.values())
+    if resume != math.inf:
+        assert holder is not None
+        tokens = min(blocks * cfg.block_tokens, total - 1)
+        resume_own = policy.restore_s(tokens, cfg) + policy.recompute_s(total - tokens, cfg)
+        assert resume == estimate(s, holder, resume_own, cfg)
+        options.append(resume)
+    assert route is not None and s.alive[route.worker]
+    chosen = resume if route.resume else costs[route.worker]
+    assert chosen <= min(options)
+
+
+def test_recompute_target_counts_the_decode_batch_in_a_counts_only_view() -> None:
+    # The coordinator's view: work = beta x the requests not yet running. Worker 0 decodes
+    # 10 sequences with nothing waiting (work 0), worker 1 decodes 2 with 1 waiting (work
+    # beta). Recomputing a mean prompt (own = beta) at 0 delays ten sequences: 0 + 0.1155 x
+    # 11 = 1.27 s; at 1: 0.1155 + 0.1155 x 4 = 0.58 s. The least-queued-work target was 0.
+    cfg = replace(COST, beta=0.1155)
+    s = snap([10, 3], [policy.queued_prefill_s(10, 10, cfg), policy.queued_prefill_s(3, 2, cfg)])
+    _, target, recompute = policy.completion_estimates(s, None, 0, 1155, cfg)
+    assert target == 1 and recompute == pytest.approx(0.1155 * 5)
+    assert policy.recover(s, None, 0, cfg, 1155) == policy.Route(1, resume=False)
+    # Control: without the delay term the batch does not matter and least work wins.
+    alone = replace(cfg, delay_weight=0.0)
+    assert policy.completion_estimates(s, None, 0, 1155, alone)[1] == 0
+    # Ties in the estimate go to the shorter queue, then the lower index.
+    assert policy.completion_estimates(snap([4, 2, 2], [0.0] * 3), None, 0, 0, cfg)[1] == 1
 
 
 def test_routing_resumes_unless_the_holder_is_far_behind() -> None:
