@@ -8,22 +8,21 @@ gateway (server.py) serves and drives, this module decides.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lumend.gateway import emission
+from lumend.gateway.emission import Detokenize
 from lumend.gateway.request import ClientRequest
 
 log = logging.getLogger("lumend.gateway")
 
-# The text of some ids by the target engine's tokenizer; None when it has no /detokenize.
-Detokenize = Callable[[list[int]], Awaitable[str | None]]
 
 CUT_WINDOW = 16  # generated ids looked back over for a clean text boundary
 
-_INCOMPLETE = "\ufffd"  # how a tokenizer's decode renders the bytes of an unfinished character
+_INCOMPLETE = emission.INCOMPLETE
 
 
 @dataclass
@@ -204,31 +203,12 @@ async def ids_through_stop(detokenize: Detokenize, progress: Progress, ids: list
     """How many of a chunk's `ids` (several: speculative decoding) an engine keeps when
     the chunk's `text` completes a stop string at `stop_end`: through the token at which
     its incremental decoder emits the text that completes it, as vLLM keeps them when it
-    matches stop strings itself. The decoder emits nothing while the text ends in an
-    incomplete character (U+FFFD), so a token whose bytes complete the stop and then
-    begin another character emits it only with a later token, the one kept last.
-    Without this the ids a stopped request reports would depend on where chunks happen
-    to break (a resumed stream breaks them elsewhere). All of them when it cannot tell."""
+    matches stop strings itself (`emission.ids_through_stop`). Without this the ids a
+    stopped request reports would depend on where chunks happen to break (a resumed
+    stream breaks them elsewhere)."""
     before = progress.ids[:len(progress.ids) - len(ids)]
-    context = before[-8:] if before else list((progress.prompt_ids or [])[-8:])
-    texts = await asyncio.gather(*(detokenize([*context, *ids[:k]]) for k in range(len(ids))))
-    if texts[0] is None:
-        return len(ids)
-    # The context may end inside a character that this chunk completes; an incomplete
-    # character is rendered as U+FFFD and is no text yet (engines send it once whole).
-    base = texts[0].rstrip(_INCOMPLETE)
-    for k in range(1, len(ids)):
-        full = texts[k]
-        if full is None or not full.startswith(base):
-            return len(ids)
-        if full.endswith(_INCOMPLETE):
-            continue  # the decoder emits nothing at this token
-        added = full[len(base):]
-        if not text.startswith(added):
-            return len(ids)  # special tokens rendered, a U+FFFD of the text: unsure
-        if len(added) >= stop_end:
-            return k
-    return len(ids)
+    return await emission.ids_through_stop(detokenize, before, ids, text, stop_end,
+                                           progress.prompt_ids or ())
 
 
 def path_of(chat: bool) -> str:
