@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from lumenctl.localcluster import free_ports
+from lumenctl.localcluster import free_port_run, free_ports
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import SimAdapter, VllmAdapter
 from lumend.engine.sim_core import decode, encode, reference_completion
@@ -28,9 +28,10 @@ PROMPT = "the quick brown fox"
 
 def make_supervisor(tmp_path: Path, shadows: int = 1,
                     cls: type[WorkerSupervisor] = WorkerSupervisor) -> WorkerSupervisor:
-    port = free_ports(1)[0]
-    while any(p != port + i for i, p in enumerate(range(port, port + shadows + 1))):
-        port = free_ports(1)[0]
+    # Consecutive ports, all free, below the ephemeral range (the shadow's is port + 1; a
+    # port there can be taken by any outgoing connection meanwhile: CI once saw the
+    # shadow fail to bind, "address already in use", until the test gave up).
+    port = free_port_run(shadows + 1)
     worker = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=shadows,
                           model="sim-small", port=port)
     return cls(
