@@ -17,71 +17,17 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
 from lumenctl.localcluster import free_ports
 from lumend.cluster.view import ClusterView
 from lumend.failover.supervisor import WorkerSupervisor
 from lumend.gateway.server import Gateway
 
+from ..cutproxy import CuttingProxy
 from .test_resume_semantics import BPE, call, cluster
 
 BODY: dict[str, Any] = {"prompt": "東京は日本の首都です 😀", "max_tokens": 160, "stream": True,
                         "return_token_ids": True}
-
-
-class CuttingProxy:
-    """Forwards everything to the engine; the first stream that reaches `cut_at` ids is
-    closed right after the chunk that reaches it, as a lost engine closes it (no [DONE])."""
-
-    def __init__(self, engine: str, cut_at: int) -> None:
-        self.engine, self.cut_at = engine, cut_at
-        self.cuts = 0
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        port = free_ports(1)[0]
-        await web.TCPSite(self._runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        self._session = aiohttp.ClientSession()
-
-    async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
-        body = await request.read()
-        async with self._session.request(request.method, self.engine + request.path_qs,
-                                         data=body, headers={"Content-Type":
-                                                             "application/json"}) as up:
-            if "text/event-stream" not in up.headers.get("Content-Type", ""):
-                return web.Response(body=await up.read(), status=up.status,
-                                    content_type=up.content_type)
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            tokens = 0
-            async for line in up.content:
-                await response.write(line)
-                if self.cuts or not line.startswith(b"data: {"):
-                    continue
-                choice = (msgspec.json.decode(line[6:]).get("choices") or [{}])[0]
-                tokens += len(choice.get("token_ids") or [])
-                if tokens >= self.cut_at:
-                    self.cuts += 1
-                    assert request.transport is not None
-                    request.transport.close()
-                    return response
-            await response.write_eof()
-            return response
 
 
 async def chunk_ids(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
@@ -155,7 +101,7 @@ async def _test_a_stop_in_the_gateway_rendered_chunk_keeps_the_engines_ids(
         body = {**BODY, "stop": [stop]}
         free = await call(session, base, False, body)
         direct = await call(session, engine, False, body)
-        proxy = CuttingProxy(engine, cut)
+        proxy = CuttingProxy(engine, lambda _, tokens: tokens >= cut)
         await proxy.start()
         gateway = Gateway(proxied(sups, engine, proxy.url))
         listen = f"127.0.0.1:{free_ports(1)[0]}"
@@ -165,7 +111,7 @@ async def _test_a_stop_in_the_gateway_rendered_chunk_keeps_the_engines_ids(
         finally:
             await gateway.stop()
             await proxy.stop()
-    assert proxy.cuts == 1 and gateway.counters.resumes == 1, "no cut: the test is void"
+    assert len(proxy.cuts) == 1 and gateway.counters.resumes == 1, "no cut: the test is void"
     assert gateway.counters.inside_character == 1, "the cut was not inside a character"
     assert free["finish"] == direct["finish"] == "stop"
     assert len(free["token_ids"]) == len(direct["token_ids"]) == kept, (stop, kept)

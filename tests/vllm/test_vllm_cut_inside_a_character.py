@@ -22,13 +22,13 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
 from lumenctl.localcluster import free_ports
 from lumend.cluster.models import EngineInfo, WorkerRecord
 from lumend.cluster.view import ClusterView
 from lumend.gateway.server import Gateway, GatewayTiming
 
+from ..cutproxy import CuttingProxy
 from .bpe_model import SPECIAL
 from .conftest import VLLM_ENV
 from .test_vllm_gateway_resume import ENGINE_ARGS, bpe_llama  # noqa: F401  # the fixture
@@ -38,63 +38,12 @@ pytestmark = pytest.mark.timeout(900)
 CUT_AFTER = 6  # tokens a stream has before the proxy may cut it
 
 
-class CuttingProxy:
-    """Forwards everything to the engine; while `armed`, the next stream is closed after its
-    first chunk with ids and no text once it has CUT_AFTER tokens (then disarmed)."""
-
-    def __init__(self, engine: str) -> None:
-        self.engine = engine
-        self.cuts: list[int] = []  # tokens the cut streams had
-        self.armed = False
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        port = free_ports(1)[0]
-        await web.TCPSite(self._runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        self._session = aiohttp.ClientSession()
-
-    async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
-        body = await request.read()
-        async with self._session.request(request.method, self.engine + request.path,
-                                         data=body, headers={"Content-Type":
-                                                             "application/json"}) as up:
-            if "text/event-stream" not in up.headers.get("Content-Type", ""):
-                return web.Response(body=await up.read(), status=up.status,
-                                    content_type=up.content_type)
-            cut = self.armed
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            tokens = 0
-            async for line in up.content:
-                await response.write(line)
-                if not cut or not line.startswith(b"data: {"):
-                    continue
-                choice = (msgspec.json.decode(line[6:]).get("choices") or [{}])[0]
-                ids = choice.get("token_ids") or []
-                tokens += len(ids)
-                text = choice.get("text", (choice.get("delta") or {}).get("content"))
-                if ids and not text and tokens > CUT_AFTER and not choice.get("finish_reason"):
-                    self.cuts.append(tokens)
-                    self.armed = False
-                    assert request.transport is not None
-                    request.transport.close()  # as a lost engine: no [DONE]
-                    return response
-            await response.write_eof()
-            return response
+def inside_a_character(choice: dict[str, Any], tokens: int) -> bool:
+    """The first chunk with ids and no text (the first bytes of a character) past
+    CUT_AFTER tokens, before the stream's last."""
+    text = choice.get("text", (choice.get("delta") or {}).get("content"))
+    return bool(choice.get("token_ids")) and not text and tokens > CUT_AFTER \
+        and not choice.get("finish_reason")
 
 
 async def collect(session: aiohttp.ClientSession, url: str, chat: bool,
@@ -156,7 +105,7 @@ def test_a_stream_cut_inside_a_character_continues_exactly(bpe_llama: Path,  # n
 
 
 async def scenario(engine: str, model: str) -> None:
-    proxy = CuttingProxy(engine)
+    proxy = CuttingProxy(engine, inside_a_character, armed=False)
     await proxy.start()
     record = WorkerRecord(name="w0", node="n", gpus=[0], engine="vllm", model=model,
                           state="serving", updated_at=time.time(),
