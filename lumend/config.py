@@ -202,6 +202,11 @@ class GatewaySection(msgspec.Struct, frozen=True, kw_only=True):
     # admits locally (counted degraded); a recovery waits twice as long. Raise it above the
     # round trip to the coordinator's node plus its decision (under 1 ms) where links are slow.
     admit_deadline_s: float = 0.5
+    # How long a stream broken on a worker with shadows waits for one of them to report
+    # active, to continue there (checkpoint loaded locally) instead of on another worker.
+    # A CUDA shadow's wake (weights mapped, KV cache allocated) may take longer than a CPU
+    # twin's milliseconds: raise it to what `failover of ... serves N s after` logs.
+    shadow_wait_s: float = 1.0
     # A stopping lumend (SIGTERM) refuses new requests and reports not ready (/ready 503) at
     # once, then lets streams in flight finish for at most drain_s before it stops its
     # engines; 0: stop them at once. Keep it below systemd's TimeoutStopSec (90 s).
@@ -353,7 +358,7 @@ _CURVE_KEYS_EXAMPLE = "/etc/lumen/checkpoint.keys"
 _WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "assist",
                 "kv_cache_bytes", "args", "port")
 _GATEWAY_TIMES = ("first_token_s", "token_timeout_s", "resume_within_s", "client_write_s",
-                  "pool_wait_s", "admit_deadline_s")
+                  "pool_wait_s", "admit_deadline_s", "shadow_wait_s")
 _SERVICES = {  # section -> (its keys, default listen address)
     "gateway": (("listen", "api_keys", *_GATEWAY_TIMES, "max_streams", "drain_s"),
                 _GATEWAY_LISTEN),

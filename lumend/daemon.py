@@ -174,7 +174,8 @@ class Node:
                                    recover_within_s=gw.resume_within_s,
                                    client_write_s=gw.client_write_s,
                                    max_streams=gw.max_streams,
-                                   pool_wait_s=gw.pool_wait_s))
+                                   pool_wait_s=gw.pool_wait_s,
+                                   shadow_wait_s=gw.shadow_wait_s))
         # GET /ready and the refusal of new requests while stopping (lumend/gateway/readiness.py)
         self.readiness = readiness.NodeReadiness(config.node.name, lambda: self.agent.view)
         readiness.attach(self.gateway, self.readiness)

@@ -139,6 +139,7 @@ def test_example_documents_every_key() -> None:
     keys += ["ca_cert", "cert", "key", "eviction", "budget_bytes", "draft_model", "args"]
     keys += ["keys", "insecure", "drain_s", "first_token_s", "max_streams", "kv_cache_bytes"]
     keys += ["assist", "client_write_s", "api_keys", "pool_wait_s", "admit_deadline_s"]
+    keys += ["shadow_wait_s"]
     for key in keys:
         assert f"{key} =" in text, key
 

@@ -56,6 +56,16 @@ def test_admit_deadline_s_default_bounds_and_the_link_it_sets() -> None:
             problem.fix
 
 
+def test_shadow_wait_s_default_and_bounds() -> None:
+    assert parse_config(config_text()).gateway.shadow_wait_s == 1.0
+    assert parse_config(config_text(gateway={"shadow_wait_s": 8})).gateway.shadow_wait_s == 8
+    for bad in (0, -2):
+        with pytest.raises(ConfigError) as caught:
+            parse_config(config_text(gateway={"shadow_wait_s": bad}))
+        [problem] = caught.value.problems
+        assert problem.key == "gateway.shadow_wait_s" and "shadow_wait_s = 1" in problem.fix
+
+
 def check_config(tmp_path: Path, model: str, *flags: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "lumend.toml"
     path.write_text(config_text(workers=[worker(engine="vllm", model=model)]))
