@@ -130,7 +130,8 @@ def sim(
     output: Fmt | None = typer.Option(
         None, "--output", "-o", help="table, json or yaml (default: lumenctl's -o)."),
     plot: Path | None = typer.Option(
-        None, "--plot", help="Write a PNG timeline of TTFT and queue depth."),
+        None, "--plot", help="Write a PNG: the timeline of TTFT and queue depth, or with "
+        "--sweep the heatmap of LUMEN / best baseline TTFT per cell."),
 ) -> None:
     """Simulate a failure on a cluster under each policy and compare them (--help: HELP)."""
     from lumend.coordinator.policy import GIB

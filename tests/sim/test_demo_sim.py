@@ -1,5 +1,6 @@
-"""The demo's closing comparison (lumenctl/demo.py): simulated over seeds, said so, with a
-plain sentence per restore bandwidth and the paper's ratios beside."""
+"""The demo's closing comparison (lumenctl/demo_sim.py, shown by `lumenctl demo`):
+simulated over seeds, said so, with a plain sentence per restore bandwidth and the paper's
+ratios beside."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import io
 
 from rich.console import Console
 
-from lumenctl.demo import SimScenario, simulated_comparison, simulated_table, simulated_verdicts
+from lumenctl.demo_sim import SimScenario, simulated_comparison, simulated_table, simulated_verdicts
 
 SMALL = SimScenario(model="sim-small", gpu="h100-tp4", load=0.6, prompt_scale=2.0,
                     restore_gbps=(25.0, 1.0), duration_s=60.0, fault_at_s=20.0)
@@ -22,7 +23,7 @@ def test_the_simulated_comparison_is_labelled_paired_and_read_out() -> None:
         ratio = doc["ratios"]["lumen_vs_stop_and_restart"]["ttft_ratio"]
         assert ratio["pairs"] == 2 and ratio["mean"] > 0
     out = io.StringIO()
-    Console(file=out, width=250).print(simulated_table(cells, 2))
+    Console(file=out, width=250).print(simulated_table(cells, 2, SMALL))
     text = out.getvalue()
     assert "SIMULATED" in text and "not the local cluster" in text and "2 seeds" in text
     assert "0.56x" in text and "0.93x" in text  # the paper's LUMEN / S&R and / fixed TTFT
