@@ -43,25 +43,29 @@ async def ids_through_stop(detokenize: Detokenize, before: Sequence[int],
     async def render(ids: list[int]) -> str | None:
         return "" if not ids else await detokenize(ids)
 
-    renders = await asyncio.gather(*(render([*head, *tail[:j]]) for j in range(len(tail) + 1)),
-                                   *(render([*head, *tail, *ids[:k]])
-                                     for k in range(1, len(ids))))
-    prefixes, fulls = renders[:len(tail) + 1], renders[len(tail) + 1:]
-    # The text emitted before the chunk ends at the context's last emission point: the
-    # longest prefix whose rendering does not end in an incomplete character, or the
-    # prompt's end (where the output's text starts; its own last character, if the prompt
-    # ends inside one, is completed by the output).
-    base: str | None = None
-    for j in range(len(tail), -1, -1):
-        rendered = prefixes[j]
-        if rendered is None:
-            return len(ids)
-        if j == 0:
-            base = rendered.rstrip(INCOMPLETE) if from_start else None
-        elif not rendered.endswith(INCOMPLETE):
-            base = rendered
-        if base is not None or j == 0:
-            break
+    # Mostly the context ends on an emission point: one rendering of it, with the chunk's.
+    whole, *fulls = await asyncio.gather(render([*head, *tail]),
+                                         *(render([*head, *tail, *ids[:k]])
+                                           for k in range(1, len(ids))))
+    if whole is None:
+        return len(ids)
+    base: str | None = whole if tail and not whole.endswith(INCOMPLETE) else None
+    if base is None and tail:
+        # The text emitted before the chunk ends at the context's last emission point: the
+        # longest prefix whose rendering does not end in an incomplete character.
+        shorter = await asyncio.gather(*(render([*head, *tail[:j]])
+                                         for j in range(1, len(tail))))
+        for rendered in reversed(shorter):
+            if rendered is None:
+                return len(ids)
+            if not rendered.endswith(INCOMPLETE):
+                base = rendered
+                break
+    if base is None and from_start:
+        # The prompt's end, where the output's text starts (its own last character, if the
+        # prompt ends inside one, is completed by the output).
+        start = whole if not tail else await render(head)
+        base = None if start is None else start.rstrip(INCOMPLETE)
     if base is None:
         return len(ids)
     for k, full in enumerate(fulls, start=1):
