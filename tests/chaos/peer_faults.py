@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,12 +20,12 @@ import aiohttp
 
 from .netlab import CHECKPOINT, ENGINES, DelayProxy, EtcdMember, Node
 from .scenarios import (
-    WRITE_ONE_PAGE,
     Cluster,
     Load,
     Row,
     Watch,
     add_up,
+    fill_and_check_full,
     first_line,
     lab_cluster,
     metric,
@@ -296,12 +295,7 @@ def etcd_disks_full_in_turn(workdir: Path, tmpfs_mib: int = 200) -> Row:
             disk = member.disk()
             log = cluster.lab.workdir / f"{member.name}.log"
             mark = len(log.read_text(errors="replace"))
-            await asyncio.to_thread(disk.fill, 0)
-            probe = await asyncio.to_thread(
-                disk.run, sys.executable, "-c", WRITE_ONE_PAGE, str(disk.path / "probe"))
-            if probe.stdout.strip() != "ENOSPC":
-                row.notes.append(f"VOID: a write on {member.name}'s full disk did not fail "
-                                 f"with ENOSPC ({probe.stdout.strip()} {probe.stderr.strip()})")
+            await fill_and_check_full(disk, row, f"{member.name}'s full disk")
             filled = time.monotonic()
             while member.proc.poll() is None and time.monotonic() - filled < 60:
                 await asyncio.sleep(0.1)

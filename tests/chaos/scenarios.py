@@ -25,7 +25,7 @@ from lumend.cluster.view import ClusterView
 from lumend.rpc.client import CoordinatorClient, RpcFailure
 
 from ..gateway.test_gateway import chat_prompt, expected, stream
-from .netlab import METRICS, EtcdMember, NetLab, Node, start_etcd, start_node
+from .netlab import METRICS, EtcdMember, NetLab, Node, Tmpfs, start_etcd, start_node
 
 ENGINE_ARGS = ("--time-scale", "2.0")
 # A black-holed engine sends nothing: the gap after which the gateway resumes elsewhere.
@@ -863,6 +863,17 @@ WRITE_ONE_PAGE = ("import errno, os, sys\n"
                   "except OSError as e:\n print(errno.errorcode[e.errno])")
 
 
+async def fill_and_check_full(disk: Tmpfs, row: Row, what: str) -> None:
+    """Fill `disk`; the control: a 4 KiB write there must then fail with ENOSPC (else the
+    row is marked VOID, naming `what`)."""
+    await asyncio.to_thread(disk.fill, 0)
+    probe = await asyncio.to_thread(
+        disk.run, sys.executable, "-c", WRITE_ONE_PAGE, str(disk.path / "probe"))
+    if probe.stdout.strip() != "ENOSPC":
+        row.notes.append(f"VOID: a write on {what} did not fail with ENOSPC "
+                         f"({probe.stdout.strip()} {probe.stderr.strip()})")
+
+
 def node_state_dir_full(workdir: Path, tmpfs_mib: int = 16) -> Row:
     """Every node's state dir (its engines' logs) is a small tmpfs. Under load (8 streams
     through node-1's gateway) the space of the node whose engine runs the most of them is
@@ -889,12 +900,7 @@ def node_state_dir_full(workdir: Path, tmpfs_mib: int = 16) -> Row:
                 row.notes.append(f"{victim.name}'s disk filled, {running[worker]:.0f} "
                                  f"streams on its engine")
                 mark = len(victim.log_text())
-                await asyncio.to_thread(disk.fill, 0)
-                probe = await asyncio.to_thread(
-                    disk.run, sys.executable, "-c", WRITE_ONE_PAGE, str(disk.path / "probe"))
-                if probe.stdout.strip() != "ENOSPC":
-                    row.notes.append(f"VOID: a write on the full disk did not fail with "
-                                     f"ENOSPC ({probe.stdout.strip()} {probe.stderr.strip()})")
+                await fill_and_check_full(disk, row, "the full disk")
                 filled = time.monotonic()
                 said: str | None = None
                 while said is None and time.monotonic() - filled < 10:
