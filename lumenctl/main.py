@@ -13,7 +13,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -86,9 +86,9 @@ app = typer.Typer(
     help="Operate a LUMEN cluster: status, agent, events, checkpoints, drain/undrain, "
     "failover, keys.\n\n"
     "Exit codes: 0 ok, 1 the operation failed, 2 usage or config error, 3 etcd unreachable."
-    "\n\n-o/--output goes before or after the command (`lumenctl status -o json`); the "
-    "other global options before it. Shell "
-    "completion: `lumenctl --install-completion` (bash, zsh, fish).",
+    "\n\n-o/--output goes before the command or after one that prints data (`lumenctl "
+    "status -o json`); the other global options before it. Shell completion: `lumenctl "
+    "--install-completion` (bash, zsh, fish).",
     no_args_is_help=True,
     add_completion=True,
 )
@@ -124,8 +124,8 @@ def global_options(
         help="A lumend.toml to take etcd endpoints, cluster and TLS files from, if it exists.",
     ),
     timeout_s: float = typer.Option(
-        2.0, "--etcd-timeout", "--timeout",
-        help="Per-request etcd timeout, seconds (--timeout: its 0.1 name)."),
+        2.0, "--etcd-timeout", help="Per-request etcd timeout, seconds."),
+    old_timeout_s: float | None = typer.Option(None, "--timeout", hidden=True),
     ca_cert: Path | None = typer.Option(
         None, "--ca-cert", envvar="LUMEN_ETCD_CA_CERT",
         help="CA certificate of the etcd servers, for https:// endpoints (default: "
@@ -142,6 +142,8 @@ def global_options(
     _version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                   help="Print the version and exit."),
 ) -> None:
+    timeout_s = _renamed(ctx, "--timeout", "--etcd-timeout", "timeout_s", old_timeout_s,
+                         timeout_s)
     defaults = _defaults_from_config(config)
     endpoint_list = (
         [e.strip() for e in endpoints.split(",") if e.strip()]
@@ -175,6 +177,32 @@ def _defaults_from_config(path: Path) -> dict[str, Any]:
     return etcd if isinstance(etcd, dict) else {}
 
 
+def _renamed(ctx: typer.Context, old: str, new: str, new_param: str, old_value: T | None,
+             new_value: T) -> T:
+    """The value of an option renamed since 0.1: the old name still works, hidden from
+    --help, with a warning on stderr; it goes in the next release."""
+    if old_value is None:
+        return new_value
+    source = ctx.get_parameter_source(new_param)
+    if source is not None and source.name == "COMMANDLINE":
+        _fail(EXIT_USAGE, f"{old} is the deprecated name of {new}: give only {new}")
+    typer.echo(f"lumenctl: {old} is deprecated, use {new} (the old name goes in the next "
+               "release)", err=True)
+    return old_value
+
+
+def output_option() -> Any:
+    """-o/--output after the command, as kubectl users type it (`lumenctl status -o json`),
+    on every command that prints data; it overrides the global option."""
+    return typer.Option(None, "--output", "-o", help="Output format (also before the "
+                        "command).", show_default=False)
+
+
+def _context(ctx: typer.Context, output: Output | None) -> Context:
+    c: Context = ctx.obj
+    return c if output is None else replace(c, output=output)
+
+
 @app.command()
 def version() -> None:
     """Print the version (as --version does)."""
@@ -191,9 +219,10 @@ def status(
         None, "--watch", "-w", metavar="[SECONDS]",
         help=f"Refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until interrupted.",
     ),
+    output: Output | None = output_option(),
 ) -> None:
     """Nodes and workers: state, engines, load, checkpoints, intents; the coordinator."""
-    c: Context = ctx.obj
+    c = _context(ctx, output)
     if watch is not None and watch <= 0:
         _fail(EXIT_USAGE, f"--watch {watch:g}: the interval must be positive")
     if watch is None:
@@ -254,9 +283,10 @@ def events(
         help=f"Then follow: print each new event as it is recorded, checking every SECONDS "
         f"(default {DEFAULT_WATCH_S:g}), until interrupted. -o json: one JSON object a line; "
         "-o yaml: one document per event."),
+    output: Output | None = output_option(),
 ) -> None:
     """The cluster's recovery, failover and coordinator history, oldest first."""
-    c: Context = ctx.obj
+    c = _context(ctx, output)
     if watch is not None and watch <= 0:
         _fail(EXIT_USAGE, f"--watch {watch:g}: the interval must be positive")
     view = _run(c, lambda store: _read_view(c, store))
@@ -304,9 +334,10 @@ def checkpoints(
     watch: float | None = typer.Option(
         None, "--watch", "-w", metavar="[SECONDS]",
         help=f"Refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until interrupted."),
+    output: Output | None = output_option(),
 ) -> None:
     """KV checkpoint holders: bytes held against each budget, requests, balance."""
-    c: Context = ctx.obj
+    c = _context(ctx, output)
     if watch is not None and watch <= 0:
         _fail(EXIT_USAGE, f"--watch {watch:g}: the interval must be positive")
     while True:
@@ -332,20 +363,23 @@ def drain(
     wait: bool = typer.Option(
         False, "--wait", help="Show progress until no request is in flight there (exit 1, "
         "naming what is left, if --wait-timeout passes first)."),
-    timeout_s: float = typer.Option(
-        300.0, "--wait-timeout", "--timeout", min=0.0,
-        help="Seconds --wait waits (--timeout: its 0.1 name)."),
+    timeout_s: float = typer.Option(300.0, "--wait-timeout", min=0.0,
+                                    help="Seconds --wait waits."),
+    old_timeout_s: float | None = typer.Option(None, "--timeout", min=0.0, hidden=True),
     reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     force: bool = typer.Option(
         False, "--force", help="Drain even when it takes the last serving worker of a model "
         "(that model then gets no new requests anywhere)."),
+    output: Output | None = output_option(),
 ) -> None:
     """Stop admitting requests on a node or worker (writes a drain intent). Requests in
     flight there finish where they are, or move elsewhere with --migrate. The intent stays
     until `lumenctl undrain`. Refuses (exit 1) to take the last serving worker of a model
     unless --force."""
-    c: Context = ctx.obj
+    c = _context(ctx, output)
+    timeout_s = _renamed(ctx, "--timeout", "--wait-timeout", "timeout_s", old_timeout_s,
+                         timeout_s)
     if not force:
         view = _run(c, lambda store: _read_view(c, store))
         lost = last_serving_models(view, target)
@@ -518,13 +552,14 @@ def agent(
         None, "--rpc-key", help="Its private key (default: rpc.key of --config)."),
     rpc_timeout_s: float = typer.Option(3.0, "--rpc-timeout", min=0.1,
                                         help="Seconds to wait for the node's answer."),
+    output: Output | None = output_option(),
 ) -> None:
     """A node's live status from its own lumend (Agent Status over gRPC, not etcd): its
     workers and engines as the node sees them now, the drained workers, the highest
     coordinator epoch it has seen and the commands it refused for a stale epoch."""
     from lumend.rpc.tls import RpcTls
 
-    c: Context = ctx.obj
+    c = _context(ctx, output)
     config_path: Path = ctx.find_root().params.get("config") or Path(DEFAULT_CONFIG)
     files = _rpc_tls_files(config_path, rpc_ca, rpc_cert, rpc_key)
     tls = RpcTls(*files) if files is not None else None
@@ -740,11 +775,11 @@ async def _read_settings(c: Context, store: EtcdStore) -> ClusterSettings:
 
 
 @config_app.command("show")
-def config_show(ctx: typer.Context) -> None:
+def config_show(ctx: typer.Context, output: Output | None = output_option()) -> None:
     """Every setting, its value, whether it is the default, and what it does."""
     from lumend.coordinator.settings import as_rows
 
-    c: Context = ctx.obj
+    c = _context(ctx, output)
     rows = as_rows(_run(c, lambda store: _read_settings(c, store)))
     _emit(c, {"cluster": c.cluster, "settings": rows}, _settings_table)
 
@@ -763,11 +798,12 @@ def _settings_table(doc: dict[str, Any]) -> RenderableType:
 
 
 @config_app.command("get")
-def config_get(ctx: typer.Context, key: str = typer.Argument(..., help="A setting.")) -> None:
+def config_get(ctx: typer.Context, key: str = typer.Argument(..., help="A setting."),
+               output: Output | None = output_option()) -> None:
     """Print one setting's value."""
     from lumend.coordinator.settings import KEYS
 
-    c: Context = ctx.obj
+    c = _context(ctx, output)
     if key not in KEYS:
         _fail(EXIT_USAGE, f"unknown setting {key!r}; the settings are: {', '.join(KEYS)}")
     value = getattr(_run(c, lambda store: _read_settings(c, store)), key)
@@ -949,44 +985,8 @@ def _fail(code: int, message: str) -> NoReturn:
     raise typer.Exit(code)
 
 
-# Global options that take a value, and the commands with an -o/--output of their own.
-_GLOBAL_VALUED = frozenset({"--endpoints", "--cluster", "--output", "-o", "--config",
-                            "--etcd-timeout", "--timeout", "--ca-cert", "--cert", "--key"})
-_OWN_OUTPUT = frozenset({"sim"})
-
-
-def _hoist_output(argv: list[str]) -> list[str]:
-    """Move -o/--output given after the command (`lumenctl status -o json`, as kubectl users
-    type it) in front of it, where the global option is parsed."""
-    i = 0
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
-        i += 1 if "=" in argv[i] or argv[i] not in _GLOBAL_VALUED else 2
-    if i >= len(argv) or argv[i] in _OWN_OUTPUT:
-        return argv
-    head, rest, moved = argv[:i], [], []
-    j = i
-    while j < len(argv):
-        arg = argv[j]
-        if arg == "--":
-            rest += argv[j:]
-            break
-        if arg in ("-o", "--output") and j + 1 < len(argv):
-            moved += [arg, argv[j + 1]]
-            j += 2
-            continue
-        if arg.startswith("--output=") or (arg.startswith("-o") and len(arg) > 2
-                                           and not arg.startswith("--")):
-            moved.append(arg)
-        else:
-            rest.append(arg)
-        j += 1
-    return head + moved + rest
-
-
 def _normalize_argv(argv: list[str]) -> list[str]:
-    """Let `--watch` stand alone (`status --watch`) as well as take SECONDS, and -o after
-    the command."""
-    argv = _hoist_output(argv)
+    """Let `--watch` stand alone (`status --watch`) as well as take SECONDS."""
     out: list[str] = []
     for i, arg in enumerate(argv):
         out.append(arg)
