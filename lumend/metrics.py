@@ -47,6 +47,18 @@ log = logging.getLogger(__name__)
 WORKER_STATES: tuple[str, ...] = get_args(WorkerState)
 CYCLE_OUTCOMES = ("ok", "etcd_unavailable", "etcd_error", "error")
 RELOAD_RESULTS = ("applied", "refused", "invalid")
+# lumend's metrics exported under an old name too, same value, until the next release
+# (operator guide section 8): old name -> name now. The engines' are in
+# lumend.engine.metric_names.
+DEPRECATED_NAMES = {
+    "lumen_ckpt_bytes_held": "lumen_ckpt_held_bytes",  # 0.1, without the unit suffix
+    # The same value as the name now, with the unit not last.
+    "lumen_lease_seconds_since_renewal": "lumen_lease_renewal_age_seconds",
+}
+
+
+def deprecated_help(old: str) -> str:
+    return f"Deprecated: use {DEPRECATED_NAMES[old]}."
 
 
 class NodeCollector(Collector):
@@ -183,9 +195,8 @@ class CheckpointCollector(Collector):
         held = GaugeMetricFamily("lumen_ckpt_held_bytes", "Bytes of KV checkpoint pages this "
                                  "node holds, by the worker they are charged to.",
                                  labels=["worker"])
-        # The 0.1 name, without the unit suffix: kept one release (operator guide).
-        held_old = GaugeMetricFamily("lumen_ckpt_bytes_held", "Deprecated: use "
-                                     "lumen_ckpt_held_bytes.", labels=["worker"])
+        held_old = GaugeMetricFamily("lumen_ckpt_bytes_held",
+                                     deprecated_help("lumen_ckpt_bytes_held"), labels=["worker"])
         budget = GaugeMetricFamily("lumen_ckpt_budget_bytes", "Checkpoint budget of each "
                                    "worker on this node.", labels=["worker"])
         requests = GaugeMetricFamily("lumen_ckpt_requests", "Requests with a checkpoint held "
@@ -396,8 +407,8 @@ class EtcdHygieneCollector(Collector):
         yield _gauge("lumen_lease_renewal_lag_seconds", "The longest a renewal of this node's "
                      "lease came after its schedule (every TTL/3) since lumend started; "
                      "near TTL/3 x 2 the lease is at risk.", lease.lag_s)
-        yield _gauge("lumen_lease_seconds_since_renewal", "Seconds since the last successful "
-                     "renewal of this node's lease was sent (+Inf: no lease).",
+        yield _gauge("lumen_lease_seconds_since_renewal",
+                     deprecated_help("lumen_lease_seconds_since_renewal"),
                      lease.seconds_since_renewal())
         yield CounterMetricFamily(
             "lumen_agent_unknown_epoch_refused", "Agent commands refused because their epoch "

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from lumenctl.localcluster import EtcdCluster
+from lumend.metrics import DEPRECATED_NAMES
 
 from .conftest import Lumend, metric_value, wait_until
 
@@ -171,9 +172,11 @@ def test_dashboard_queries_name_only_exported_metrics(
             "lumen_coordinator_orders_total", "lumen_assist_drafted_tokens_total",
             "lumen_assist_accepted_tokens_total", "lumen_assist_acceptance",
             "lumen_assist_attached"} <= queried
-    # The dashboard queries no deprecated name (nothing with a colon, nothing without a
-    # unit suffix where the 0.1 name lacked one).
-    assert [name for name in queried if ":" in name or name == "lumen_ckpt_bytes_held"] == []
+    # The dashboard queries no deprecated name (nothing with a colon, none of lumend's
+    # renamed ones), and lumend exports each of those with the new name's value.
+    assert [name for name in queried if ":" in name or name in DEPRECATED_NAMES] == []
+    for old, new in DEPRECATED_NAMES.items():
+        assert old in declared_names(follower) and new in declared_names(follower), old
 
     # Negative controls: a misspelt metric and a query without any metric are reported.
     broken = json.loads(DASHBOARD.read_text())

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from lumenctl.localcluster import EtcdCluster, free_ports, stop_process
+from lumend.metrics import DEPRECATED_NAMES
 
 from .conftest import Lumend, wait_until
 
@@ -279,9 +280,9 @@ def test_every_rule_evaluates_against_a_live_lumend(
 
 
 def test_the_rules_name_no_deprecated_metric() -> None:
-    """The 0.1 names (engine-side lumen:ckpt_*, lumen_ckpt_bytes_held) are aliases for one
-    release; the shipped rules use the current names."""
+    """The old names (engine-side lumen:ckpt_*, lumend's DEPRECATED_NAMES) are aliases for
+    one release; the shipped rules use the current names."""
     exprs = " ".join(str(rule["expr"]) for rule in rules())
     assert "lumen:" not in exprs
-    assert "lumen_ckpt_bytes_held" not in series_names(exprs)
+    assert series_names(exprs) & DEPRECATED_NAMES.keys() == set()
     assert "lumen_ckpt_held_bytes" in series_names(exprs)
