@@ -2,10 +2,15 @@
 
 One job: keep the inputs of Algorithms 1-3 current so that a decision reads them instead of
 rescanning every request in flight and every checkpoint held. Per change (admit, finish,
-recover, progress) the work is O(1); per view (one per HA cycle) it is O(workers) plus the
-entries that expire. A decision then costs O(workers) in C-level scans (the policy's
-`loads`, `min`, `index` over 64 workers: a few microseconds), independent of how many
-requests are in flight.
+recover, progress) the work is O(1), plus O(log W) to re-rank a worker whose queue or bytes
+moved; per view (one per HA cycle) it is O(workers) plus the entries that expire. An
+admission reads rankings (lumend.coordinator.ranking) instead of building its two tables:
+`least_loaded` takes the first ranked worker its mask lets through, `holder` walks the
+workers ranked by L_hat from the least loaded and stops at the first whose lower bound is
+above the best value found (about 10 of 64 workers in a steady burst), with the very
+values and tie-breaks of the policy's scans over `table` and `holders_table` (kept: the
+other decisions and the uncommon cases of Algorithm 1 still use them). Neither grows with
+the requests in flight.
 
 What it keeps, and the column a decision reads:
 * requests admitted (or recovered) here and not finished, by id; per serving worker their
@@ -38,7 +43,15 @@ from dataclasses import dataclass, field
 
 from lumend.cluster.models import WorkerRecord
 from lumend.cluster.view import ClusterView
-from lumend.coordinator.policy import LoadSnapshot, PolicyConfig, load_hat, queued_prefill_s
+from lumend.coordinator.policy import (
+    LoadSnapshot,
+    Mode,
+    PolicyConfig,
+    load_hat,
+    place_checkpoint,
+    queued_prefill_s,
+)
+from lumend.coordinator.ranking import Ranking, first_alive
 from lumend.coordinator.settings import policy_config
 from lumend.rpc.messages import CheckpointProgress, CheckpointRef, Target
 
@@ -97,6 +110,11 @@ class Columns:
     work: list[float] | None = None
     # live, built on first use: per serving worker, its checkpoints placed on each worker
     spread: dict[str, list[int]] = field(default_factory=dict)
+    # live, built on first use: the eligible workers ranked by the admission's key (queue,
+    # or L_hat) and by L_hat (the holders' lower bound; the same ranking when admission is
+    # by L_hat); marked per change of a key's inputs
+    admit_rank: Ranking | None = None
+    holder_rank: Ranking | None = None
     _by_model: dict[str | None, tuple[bool, ...]] = field(default_factory=dict)
     _targets: dict[int, Target] = field(default_factory=dict)
 
@@ -109,6 +127,13 @@ class Columns:
                                                          strict=True))
             self._by_model[model] = alive
         return alive
+
+    def mark(self, i: int) -> None:
+        """Worker `i`'s queue or bytes changed: re-rank it before the next decision."""
+        if self.admit_rank is not None:
+            self.admit_rank.mark(i)
+        if self.holder_rank is not None:
+            self.holder_rank.mark(i)
 
     def target(self, i: int) -> Target:
         t = self._targets.get(i)
@@ -258,6 +283,7 @@ class LoadBook:
                 q = cols.queue[i] = max(cols.hb_queue[i], self._queued[worker])
                 if cols.work is not None:
                     cols.work[i] = queued_prefill_s(q, cols.hb_running[i], cols.cfg)
+                cols.mark(i)
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -291,6 +317,7 @@ class LoadBook:
             if i is not None:
                 cols.held[i] = n
                 cols.ckpt[i] = float(max(cols.hb_bytes[i], n))
+                cols.mark(i)
 
     # -- per view -----------------------------------------------------------------------
 
@@ -334,11 +361,7 @@ class LoadBook:
         peer, and its failure to that one holder)."""
         queue = cols.queue.copy()
         queue[serving] += 1
-        name = cols.workers[serving].name
-        column = cols.spread.get(name)
-        if column is None:
-            placed: Mapping[str, int] = self._spread.get(name) or {}
-            column = cols.spread[name] = [placed.get(w.name, 0) for w in cols.workers]
+        column = self._spread_column(cols, serving)
         # max(heartbeat bytes, reported bytes + checkpoints placed), in C-level maps (ints:
         # alpha * n is the same float as alpha * float(n) for any byte count).
         held = cols.held
@@ -360,6 +383,97 @@ class LoadBook:
         return Table(cols.workers, LoadSnapshot(nodes=cols.nodes, ckpt_bytes=ckpt, queue=queue,
                                                 budget_bytes=cols.budget, alive=cols.eligible),
                      cols.cfg, cols.index)
+
+    def _spread_column(self, cols: Columns, serving: int) -> list[int]:
+        """Per worker, the checkpoints of `serving` placed there (live)."""
+        name = cols.workers[serving].name
+        column = cols.spread.get(name)
+        if column is None:
+            placed: Mapping[str, int] = self._spread.get(name) or {}
+            column = cols.spread[name] = [placed.get(w.name, 0) for w in cols.workers]
+        return column
+
+    # -- an admission's two decisions, from the rankings ---------------------------------
+
+    def least_loaded(self, cols: Columns, alive: Sequence[bool]) -> int | None:
+        """`policy.least_loaded` over `table(cols, alive)` (`alive` within the eligible)."""
+        rank = cols.admit_rank
+        if rank is None:
+            rank = self._rank(cols, by_queue=cols.cfg.admission == "queue")
+        return first_alive(rank.order(), alive)
+
+    def holder(self, cols: Columns, serving: int) -> tuple[int, float] | None:
+        """Algorithm 1 for a checkpoint of `serving` (`place_checkpoint` of one byte over
+        `holders_table(cols, serving)`): the holder and its L_hat in that table, or None."""
+        cfg = cols.cfg
+        if cfg.mode is Mode.lumen and cfg.load_aware_placement:
+            found = self._ranked_holder(cols, serving)
+            if found is not None:
+                return found
+        # Another policy, or the fast path's answer is not the common case (no worker on
+        # another node, or its budget full): the policy over the whole table.
+        holders = self.holders_table(cols, serving)
+        h = place_checkpoint(holders.snapshot, serving, 1.0, cfg)
+        return None if h is None else (h, holders.load(h))
+
+    def _ranked_holder(self, cols: Columns, serving: int) -> tuple[int, float] | None:
+        """`policy.choose_holder_in`'s fast path over the holders' table: min (L_hat, index)
+        over eligible workers on another node than `serving`'s, if its budget fits one
+        byte; None otherwise (then the caller asks the policy).
+
+        Walks the workers ranked by L_hat without the holders' table's additions (the
+        checkpoints placed and not reported, and `serving`'s own on each, both >= 0 bytes):
+        each key is a lower bound of that worker's value in the table, so the walk stops at
+        the first key above the best value found. The values are computed as
+        `holders_table` and `policy.loads` compute them (same integers, same float
+        operations), so the choice is the same, ties included."""
+        rank = cols.holder_rank
+        if rank is None:
+            rank = self._rank(cols, by_queue=False)
+        order = rank.order()
+        column = self._spread_column(cols, serving)
+        unreported = self._unreported
+        # Placed and not reported: counted at the mean reported size, and then `serving`'s
+        # checkpoints too (holders_table).
+        unit = ((self._held_total // len(self.held) if self.held else UNREPORTED_BYTES)
+                if unreported else 1)
+        alpha, beta = cols.cfg.alpha, cols.cfg.beta
+        nodes, hb, held, queue, workers = (cols.nodes, cols.hb_bytes, cols.held, cols.queue,
+                                           cols.workers)
+        home = nodes[serving]
+        best: tuple[float, int] | None = None
+        best_bytes = 0
+        for pair in order:
+            if best is not None and pair > best:
+                break
+            i = pair[1]
+            if nodes[i] == home:
+                continue
+            n = column[i] + unreported[workers[i].name] if unreported else column[i]
+            ckpt = max(hb[i], held[i] + n * unit)
+            candidate = (alpha * ckpt + beta * queue[i], i)
+            if best is None or candidate < best:
+                best, best_bytes = candidate, ckpt
+        if best is None or best[0] == math.inf or best_bytes + 1.0 > cols.budget[best[1]]:
+            return None
+        return best[1], best[0]
+
+    def _rank(self, cols: Columns, by_queue: bool) -> Ranking:
+        """Build the ranking the admission (`by_queue` or by L_hat) or Algorithm 1 reads."""
+        queue, ckpt, cfg = cols.queue, cols.ckpt, cols.cfg
+        members = [i for i, ok in enumerate(cols.eligible) if ok]
+        if by_queue:
+            by_count = cols.admit_rank = Ranking(lambda i: float(queue[i]), members)
+            return by_count
+        rank = cols.holder_rank
+        if rank is None:
+            alpha, beta = cfg.alpha, cfg.beta
+            # alpha * float(bytes) is alpha * bytes: L_hat as `policy.loads` computes it
+            rank = cols.holder_rank = Ranking(lambda i: alpha * ckpt[i] + beta * queue[i],
+                                              members)
+        if cfg.admission != "queue":
+            cols.admit_rank = rank
+        return rank
 
     def loads(self, view: ClusterView) -> dict[str, float]:
         cols = self.columns(view)

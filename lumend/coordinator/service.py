@@ -60,8 +60,6 @@ from lumend.coordinator.policy import (
     Mode,
     assist_target,
     completion_estimates,
-    least_loaded,
-    place_checkpoint,
 )
 from lumend.coordinator.policy import recover as policy_recover
 from lumend.coordinator.settings import policy_config
@@ -158,9 +156,9 @@ class CoordinatorService:
             alive = list(alive)
             for i in skip:
                 alive[i] = False
-        table = book.table(cols, alive)
-        mode = table.cfg.mode.value
-        index = least_loaded(table.snapshot, table.cfg)
+        cfg = cols.cfg
+        mode = cfg.mode.value
+        index = book.least_loaded(cols, alive)
         if index is None:
             self.decisions["no_worker"] += 1
             what = f"model {model!r}" if model else "any model"
@@ -168,23 +166,23 @@ class CoordinatorService:
                              f"no serving worker for {what} ({len(set(exclude))} excluded)",
                              mode)
         worker = cols.workers[index]
-        if table.cfg.admission == "queue":  # cost-aware: checkpoint bytes held do not count
+        if cfg.admission == "queue":  # cost-aware: checkpoint bytes held do not count
             reason = f"admitted to {worker.name} (queue {cols.queue[index]}, the shortest)"
         else:
-            reason = f"admitted to {worker.name} (L_hat {table.load(index):.3g}, the lowest)"
+            lhat = cfg.alpha * cols.ckpt[index] + cfg.beta * cols.queue[index]
+            reason = f"admitted to {worker.name} (L_hat {lhat:.3g}, the lowest)"
         # The size is not known up front; one byte asks for a holder with any budget at all.
-        # The holders' table spans every worker, so the serving worker's index is the same.
-        holders = book.holders_table(cols, index)
-        h = place_checkpoint(holders.snapshot, index, 1.0, holders.cfg)
+        placed = book.holder(cols, index)
         ckpt = None
-        if h is not None:
+        if placed is not None:
+            h, load = placed
             holder = cols.workers[h]
             ckpt = CheckpointRef(f"{self._ckpt_prefix}{next(self._ckpt_seq):016x}", holder.name,
                                  "tcp://" + view.nodes[holder.node].checkpoint)
-            reason += f"; checkpoint on {holder.name} (L_hat {holders.load(h):.3g})"
+            reason += f"; checkpoint on {holder.name} (L_hat {load:.3g})"
         else:
             reason += "; no checkpoint" + (" (policy stop_and_restart)"
-                                            if not table.cfg.checkpoints else
+                                            if not cfg.checkpoints else
                                             " (no holder has budget)")
         book.admit(request_id, worker.name, ckpt, gateway, view)
         self.decisions["admit"] += 1

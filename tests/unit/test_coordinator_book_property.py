@@ -2,11 +2,12 @@
 order of admissions, finishes, recoveries, holder reports, heartbeats (new views) and time.
 
 After every step the columns a decision reads (per-worker queue, checkpoint bytes per
-holder, queued prefill seconds, the holders' table of a serving worker) and the book's own
-counters are compared with the same quantities recomputed from scratch: from the requests
-the book holds, the reports it holds and the view (a checkpoint placed and not reported
-yet weighs the mean reported size in the holders' table). Entries of a gateway whose node left or
-restarted, and entries older than the TTL, are gone once a view (or `expire`) has seen it.
+holder, queued prefill seconds, the holders' table of a serving worker, the eligible workers
+ranked by the admission's key and by L_hat) and the book's own counters are compared with
+the same quantities recomputed from scratch: from the requests the book holds, the reports
+it holds and the view (a checkpoint placed and not reported yet weighs the mean reported
+size in the holders' table). Entries of a gateway whose node left or restarted, and entries
+older than the TTL, are gone once a view (or `expire`) has seen it.
 """
 
 from __future__ import annotations
@@ -134,10 +135,16 @@ def recomputed(world: World) -> dict[str, Any]:
                   if r.checkpoint is not None and r.checkpoint.ckpt_id not in held}
     size = sum(h.bytes for h in held.values()) // len(held) if held else UNREPORTED_BYTES
     pending = Counter(unreported.values())
+    ckpt = [float(max(w.checkpoints.bytes_held, by_holder[w.name])) for w in workers]
+    live = [i for i, w in enumerate(workers) if eligible(view, w)]
+    by_lhat = sorted((cfg.alpha * ckpt[i] + cfg.beta * queue[i], i) for i in live)
     return {
         "queue": queue,
         "held": [by_holder[w.name] for w in workers],
-        "ckpt": [float(max(w.checkpoints.bytes_held, by_holder[w.name])) for w in workers],
+        "ckpt": ckpt,
+        "admit_rank": (sorted((float(queue[i]), i) for i in live)
+                       if cfg.admission == "queue" else by_lhat),
+        "holder_rank": by_lhat,
         "work": ([cfg.beta * max(0, q - w.load.running) for q, w in
                   zip(queue, workers, strict=True)] if cfg.cost_aware else None),
         "eligible": [eligible(view, w) for w in workers],
@@ -159,6 +166,9 @@ def kept(world: World) -> dict[str, Any]:
         "queue": list(cols.queue), "held": list(cols.held), "ckpt": list(cols.ckpt),
         "work": None if cols.work is None else list(cols.work),
         "eligible": list(cols.eligible),
+        "admit_rank": list((cols.admit_rank or book._rank(
+            cols, by_queue=cols.cfg.admission == "queue")).order()),
+        "holder_rank": list((cols.holder_rank or book._rank(cols, by_queue=False)).order()),
         "queued": +book._queued, "held_bytes": +book._held_bytes,
         "spread": {k: +v for k, v in book._spread.items()}, "placed": +book._placed,
         "unreported": +book._unreported,
