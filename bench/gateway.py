@@ -11,9 +11,15 @@ the machine, unlike the wall-clock columns). `--baseline DIR` adds a gateway per
 another checkout, in the same rounds: on a machine whose load changes from minute to minute,
 a before/after comparison measured in two runs says little.
 
+A round is a burst by default: all N requests sent at once, so TTFT includes the queue of N
+request set-ups in one gateway process (about half a millisecond each). `--steady SECONDS`
+runs a closed loop instead (N clients, each sending its next request when its last one
+ended): N streams in flight with their starts spread, the steady state of a serving
+benchmark's max-concurrency mode.
+
     .venv/bin/python bench/gateway.py [--concurrency 1 64 512] [--tokens 64] [--rounds 3]
-                                      [--loops asyncio uvloop] [--pin] [--profile PATH]
-                                      [--baseline DIR]
+                                      [--steady SECONDS] [--loops asyncio uvloop] [--pin]
+                                      [--profile PATH] [--baseline DIR]
     git worktree add --detach /tmp/gw-before <commit>  # a baseline to compare against
 
 Goal: <= 2 ms added TTFT p50, >= 0.95x direct tokens/s. Asserts nothing.
@@ -195,7 +201,31 @@ class Path_:
     tokens: int = 0
 
 
-async def measure(paths: list[Path_], levels: list[int], tokens: int, rounds: int) -> None:
+async def steady(session: aiohttp.ClientSession, url: str, n: int, tokens: int,
+                 seconds: float) -> tuple[list[float], float, int]:
+    """`n` clients, each sending its next request as soon as its last one ended, for
+    `seconds` (closed loop: `n` streams in flight, their starts spread as streams end, as
+    in a serving benchmark's max-concurrency mode): TTFTs, streamed tokens/s, tokens."""
+    ttfts: list[float] = []
+    count = 0
+    start = time.perf_counter()
+    stop_at = start + seconds
+
+    async def client(i: int) -> None:
+        nonlocal count
+        k = 0
+        while time.perf_counter() < stop_at:
+            ttft, _, got = await one(session, url, f"client {i} request {k} says", tokens)
+            ttfts.append(ttft)
+            count += got
+            k += 1
+
+    await asyncio.gather(*(client(i) for i in range(n)))
+    return ttfts, count / (time.perf_counter() - start), count
+
+
+async def measure(paths: list[Path_], levels: list[int], tokens: int, rounds: int,
+                  steady_s: float = 0.0) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -212,12 +242,16 @@ async def measure(paths: list[Path_], levels: list[int], tokens: int, rounds: in
                 # hits every path alike.
                 for path in paths[r % len(paths):] + paths[:r % len(paths)]:
                     before = cpu_s(path.pid) if path.pid else 0.0
-                    ttft, rate, count = await batch(session, path.url, n, tokens)
+                    if steady_s:
+                        ttft, rate, count = await steady(session, path.url, n, tokens,
+                                                         steady_s)
+                    else:
+                        ttft, rate, count = await batch(session, path.url, n, tokens)
                     if path.pid:
                         path.cpu += cpu_s(path.pid) - before
                     path.ttft += ttft
                     path.rate.append(rate)
-                    path.streams += n
+                    path.streams += len(ttft)
                     path.tokens += count
             direct = paths[0]
             d50, d99 = pct(direct.ttft, 0.5) * 1e3, pct(direct.ttft, 0.99) * 1e3
@@ -239,6 +273,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
+                        help="closed loop: each of the N clients sends its next request as "
+                        "soon as its last one ended, for SECONDS per round (N streams in "
+                        "flight, starts spread as streams end); default: bursts, all N "
+                        "requests of a round sent at once")
     parser.add_argument("--time-scale", type=float, default=0.05,
                         help="the sim engine's time scale (smaller: faster engine)")
     parser.add_argument("--loops", nargs="+", choices=("asyncio", "uvloop"),
@@ -305,11 +344,14 @@ def main() -> None:
                   f"{', '.join(args.loops)}" + (f", and from {args.baseline} (baseline)"
                                                if args.baseline else "") +
                   f"; {args.tokens} tokens per stream, {args.rounds} "
-                  f"rounds per level; " + (
+                  f"rounds per level, " + (
+                      f"closed loop for {args.steady:g} s a round" if args.steady else
+                      "each a burst (all streams sent at once)") + "; " + (
                       "the gateways pinned to a core of their own, engine and client on the "
                       f"other {len(cores) - 1}" if args.pin else
                       f"{len(cores)} cores shared by client, gateways and engine"), flush=True)
-            asyncio.run(measure(paths, args.concurrency, args.tokens, args.rounds))
+            asyncio.run(measure(paths, args.concurrency, args.tokens, args.rounds,
+                                args.steady))
         finally:
             for proc in reversed(procs):
                 proc.terminate()
