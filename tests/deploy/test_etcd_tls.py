@@ -136,7 +136,7 @@ def test_lumend_and_lumenctl_connect_with_certificates(
 
     # lumenctl with the files as flags (no config file).
     base = ["--config", str(tmp_path / "absent.toml"), "--endpoints", tls_etcd.endpoint,
-            "--cluster", "deploy", "--timeout", "0.5"]
+            "--cluster", "deploy", "--etcd-timeout", "0.5"]
     flags = ["--ca-cert", str(pki.client.ca), "--cert", str(pki.client.cert),
              "--key", str(pki.client.key)]
     ok = lumenctl(*base, *flags, "-o", "json", "status")
