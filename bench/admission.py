@@ -49,6 +49,12 @@ CLUSTER = "bench"
 CKPT_BYTES = 16 << 20  # each in-flight request's checkpoint, as its holder reports it
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -180,9 +186,12 @@ async def client(args: argparse.Namespace) -> None:
         os.kill(server, signal.SIGUSR1)
         await asyncio.sleep(0.2)
         t0, wall0 = time.perf_counter(), time.time()
+        server_cpu, own_cpu = cpu_s(server), time.process_time()
         await asyncio.gather(*(caller() for _ in range(callers)))
         elapsed = time.perf_counter() - t0
+        own_cpu = time.process_time() - own_cpu
         await asyncio.sleep(0.5)  # the last Finish calls land
+        server_cpu = cpu_s(server) - server_cpu
         os.kill(server, signal.SIGUSR2)
         while not await asyncio.to_thread(stats.exists):
             await asyncio.sleep(0.05)
@@ -196,7 +205,11 @@ async def client(args: argparse.Namespace) -> None:
                 "call_p99_ms": server_side["Admit"]["p99_ms"],
                 "batch": server_side["each"]["n"] / max(1, server_side["Admit"]["n"]),
                 "finish_calls": server_side["Finish"]["n"],
-                "balance": balance(holders, done), "start": wall0, "end": time.time()}
+                "balance": balance(holders, done), "start": wall0, "end": time.time(),
+                # CPU per admission: the coordinator's (everything it ran meanwhile: Admit,
+                # Finish, its lease and HA loop) and this gateway client's.
+                "server_cpu_us": server_cpu / max(1, done) * 1e6,
+                "client_cpu_us": own_cpu / max(1, done) * 1e6}
 
     in_flight = 0
     for level in args.levels:
@@ -214,32 +227,43 @@ async def client(args: argparse.Namespace) -> None:
 
 # -- the decision alone, in process ---------------------------------------------------------
 
-def decide(args: argparse.Namespace) -> None:
+def in_process_service(count: int) -> Any:
+    """A CoordinatorService over `count` serving workers, 4 per node, no etcd."""
     from lumend.cluster.models import CheckpointUsage, EngineInfo, NodeRecord, WorkerRecord
     from lumend.cluster.view import ClusterView
     from lumend.coordinator.service import CoordinatorService
+
+    nodes = {f"n{n:03d}": NodeRecord(name=f"n{n:03d}", address="127.0.0.1", pid=1,
+                                     version="bench", started_at=0, updated_at=0,
+                                     gateway="g", rpc="r", checkpoint=f"h{n}:1",
+                                     metrics="m") for n in range(count // PER_NODE)}
+    workers = {f"{n}-w{k}": WorkerRecord(
+        name=f"{n}-w{k}", node=n, gpus=[k], engine="sim", model="sim-small",
+        state="serving", engines=[EngineInfo(id="e", role="active", state="active",
+                                             url="http://x:1")],
+        checkpoints=CheckpointUsage(budget_bytes=1 << 50), updated_at=0)
+        for n in nodes for k in range(PER_NODE)}
+    view = ClusterView(cluster=CLUSTER, revision=1, nodes=nodes, workers=workers)
+    return CoordinatorService("n000", 1, functools.partial(lambda v: v, view))
+
+
+def fill_in_process(service: Any, start: int, end: int) -> None:
+    """Admissions `start`..`end` never finished, each checkpoint reported held."""
     from lumend.rpc.messages import CheckpointProgress
 
+    for i in range(start, end):
+        a = service.admit(f"f{i}", None, "n000")
+        if a.checkpoint is not None:
+            service.progress(CheckpointProgress(a.checkpoint.ckpt_id, a.checkpoint.holder,
+                                                CKPT_BYTES, 256))
+
+
+def decide(args: argparse.Namespace) -> None:
     for count in args.workers:
-        nodes = {f"n{n:03d}": NodeRecord(name=f"n{n:03d}", address="127.0.0.1", pid=1,
-                                         version="bench", started_at=0, updated_at=0,
-                                         gateway="g", rpc="r", checkpoint=f"h{n}:1",
-                                         metrics="m") for n in range(count // PER_NODE)}
-        workers = {f"{n}-w{k}": WorkerRecord(
-            name=f"{n}-w{k}", node=n, gpus=[k], engine="sim", model="sim-small",
-            state="serving", engines=[EngineInfo(id="e", role="active", state="active",
-                                                 url="http://x:1")],
-            checkpoints=CheckpointUsage(budget_bytes=1 << 50), updated_at=0)
-            for n in nodes for k in range(PER_NODE)}
-        view = ClusterView(cluster=CLUSTER, revision=1, nodes=nodes, workers=workers)
-        service = CoordinatorService("n000", 1, functools.partial(lambda v: v, view))
+        service = in_process_service(count)
         in_flight = 0
         for level in args.levels:
-            for i in range(in_flight, level):
-                a = service.admit(f"f{i}", None, "n000")
-                if a.checkpoint is not None:
-                    service.progress(CheckpointProgress(a.checkpoint.ckpt_id,
-                                                        a.checkpoint.holder, CKPT_BYTES, 256))
+            fill_in_process(service, in_flight, level)
             in_flight = level
             spent = []
             for i in range(4000):
@@ -250,6 +274,78 @@ def decide(args: argparse.Namespace) -> None:
             print(json.dumps({"workers": count, "level": level,
                               "p50_us": percentile(spent, 0.5) / 1e3,
                               "p99_us": percentile(spent, 0.99) / 1e3}), flush=True)
+
+
+async def batches(args: argparse.Namespace) -> None:
+    """Admit batches through the coordinator's own gRPC handlers, in process: per
+    admission, the request's decoding, the handler (the decisions and their replies), the
+    reply's encoding, and its Finish (decoded and handled as one batch of the same ids)."""
+    from lumend.rpc import lumen_pb2 as pb
+    from lumend.rpc.server import CoordinatorServicer
+
+    for count in args.workers:
+        service = in_process_service(count)
+        servicer = CoordinatorServicer(functools.partial(lambda s: s, service), lambda: "",
+                                       confidence=lambda _: None)
+        in_flight = 0
+        for level in args.levels:
+            fill_in_process(service, in_flight, level)
+            in_flight = level
+            parts: dict[str, list[float]] = {k: [] for k in ("decode", "decide", "encode",
+                                                             "finish")}
+            for b in range(args.rounds):
+                asks = [pb.AdmitRequest(request_id=f"b{level}-{b}-{k}", gateway="gw")
+                        for k in range(args.batch)]
+                asks[0].more.extend(asks[1:])
+                wire = asks[0].SerializeToString()
+                done = pb.FinishRequest(request_ids=[a.request_id for a in asks]
+                                        ).SerializeToString()
+                t0 = time.perf_counter_ns()
+                request = pb.AdmitRequest.FromString(wire)
+                t1 = time.perf_counter_ns()
+                reply = await servicer.Admit(request, None)
+                t2 = time.perf_counter_ns()
+                reply.SerializeToString()
+                t3 = time.perf_counter_ns()
+                await servicer.Finish(pb.FinishRequest.FromString(done), None)
+                t4 = time.perf_counter_ns()
+                for key, ns in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    parts[key].append(ns / 1e3 / args.batch)
+            row: dict[str, Any] = {"workers": count, "level": level}
+            row.update({key: statistics.median(v) for key, v in parts.items()})
+            print(json.dumps(row), flush=True)
+
+
+def batch_table(trees: list[Path], labels: list[str], args: argparse.Namespace) -> str:
+    """Each tree `args.repeat` times, in turns; per part the least of the runs' medians
+    (the run least disturbed by the machine's other work)."""
+    rows: dict[tuple[int, int], dict[str, dict[str, float]]] = {}
+    for _ in range(args.repeat):
+        for tree, label in zip(trees, labels, strict=True):
+            proc = subprocess.run(
+                [sys.executable, __file__, "batch-in", "--levels",
+                 ",".join(map(str, args.levels)), "--workers",
+                 ",".join(map(str, args.workers)), "--batch", str(args.batch), "--rounds",
+                 str(args.rounds)],
+                env={**os.environ, "PYTHONPATH": str(tree.resolve())}, capture_output=True,
+                text=True, check=True)
+            for line in proc.stdout.splitlines():
+                item = json.loads(line)
+                kept = rows.setdefault((item["workers"], item["level"]), {}).get(label)
+                rows[(item["workers"], item["level"])][label] = (
+                    item if kept is None else {k: min(v, kept[k]) for k, v in item.items()})
+    keys = ("decode", "decide", "encode", "finish")
+    head = ["workers", "in flight"] + [f"{k} {label}" for k in keys for label in labels] + [
+        f"total {label}" for label in labels] + [f"adm/s {label}" for label in labels]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (count, level), by in sorted(rows.items()):
+        totals = {label: sum(by[label][k] for k in keys) for label in labels if label in by}
+        cells = [str(count), f"{level:,}"] + [
+            f"{by[label][k]:.1f}" if label in by else "-" for k in keys for label in labels
+        ] + [f"{totals[label]:.1f}" if label in totals else "-" for label in labels] + [
+            f"{1e6 / totals[label]:,.0f}" if label in totals else "-" for label in labels]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def decide_table(trees: list[Path], labels: list[str], args: argparse.Namespace) -> str:
@@ -401,6 +497,7 @@ def measure(tree: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                       f"holder balance of the burst {item['fill_balance']:.2f}", file=sys.stderr)
             else:
                 item["lag_s"] = watch.lag(item["start"], item["end"], args.ttl / 3)
+                item["core_per_s"] = 1e6 / item["server_cpu_us"] if item["admitted"] else 0.0
                 item["fill_balance"] = fills.get(item["level"], 0.0)
                 rows.append(item)
         return rows
@@ -416,8 +513,9 @@ def table(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) ->
     cols = [("adm/s", "per_s", "{:.0f}"), ("srv p50", "server_p50_ms", "{:.3f}"),
             ("srv p99", "server_p99_ms", "{:.3f}"), ("call p99", "call_p99_ms", "{:.2f}"),
             ("batch", "batch", "{:.1f}"), ("cli p50", "client_p50_ms", "{:.1f}"),
-            ("cli p99", "client_p99_ms", "{:.1f}"), ("balance", "fill_balance", "{:.2f}"),
-            ("lag s", "lag_s", "{:.2f}")]
+            ("cli p99", "client_p99_ms", "{:.1f}"), ("srv CPU us", "server_cpu_us", "{:.0f}"),
+            ("1-core adm/s", "core_per_s", "{:.0f}"), ("cli CPU us", "client_cpu_us", "{:.0f}"),
+            ("balance", "fill_balance", "{:.2f}"), ("lag s", "lag_s", "{:.2f}")]
     for name, _, _ in cols:
         head += [f"{name} {label}" for label in labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -446,7 +544,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", nargs="?", default="run",
-                        choices=["run", "client", "decide", "decide-in"])
+                        choices=["run", "client", "decide", "decide-in", "batch",
+                                 "batch-in"])
     parser.add_argument("--tree", action="append", type=Path, default=[])
     parser.add_argument("--label", action="append", default=[])
     parser.add_argument("--levels", type=ints, default=[0, 2000, 12800])
@@ -454,6 +553,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--ttl", type=int, default=10)
     parser.add_argument("--workers", type=ints, default=[64, 256, 1024])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rpc")
     parser.add_argument("--epoch", type=int)
     parser.add_argument("--server-pid")
@@ -465,6 +567,9 @@ def main() -> None:
     if args.mode == "decide-in":
         decide(args)
         return
+    if args.mode == "batch-in":
+        asyncio.run(batches(args))
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what we started
     trees = args.tree or [Path(__file__).resolve().parents[1]]
     labels = args.label or [t.name for t in trees]
@@ -472,6 +577,13 @@ def main() -> None:
         print(f"admit + finish in process, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.2f}\n")
         print(decide_table(trees, labels, args))
+        return
+    if args.mode == "batch":
+        print(f"one Admit batch of {args.batch} through the coordinator's handlers, in process "
+              f"(no transport), us per admission; {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.2f}; each tree {args.repeat} times in turns, the least "
+              "median\n")
+        print(batch_table(trees, labels, args))
         return
     results: dict[str, list[dict[str, Any]]] = {}
     for tree, label in zip(trees, labels, strict=True):
@@ -485,7 +597,10 @@ def main() -> None:
           "the gateway link's admit; all in ms; balance: max/mean checkpoints per holder "
           "among the requests "
           "in flight (admitted as one burst by 64 callers, each checkpoint reported held); "
-          "lag: longest gap between lease renewals beyond TTL/3\n")
+          "lag: longest gap between lease renewals beyond TTL/3; srv CPU us: the coordinator "
+          "process's CPU time per admission during the cell (/proc/<pid>/stat), 1-core adm/s "
+          "its inverse (what one core of the coordinator serves), cli CPU us: the gateway "
+          "client's\n")
     print(table(results, args))
     for label, rows in results.items():
         print(f"{label}: {statistics.fmean(r['per_s'] for r in rows):.0f} admissions/s "

@@ -103,6 +103,7 @@ class Columns:
     hb_running: list[int]
     hb_bytes: list[int]
     held: list[int]  # live: bytes reported here
+    unreported: list[int]  # live: checkpoints placed here that no report names yet
     queue: list[int]  # live: max(heartbeat running + waiting, admitted here)
     ckpt: list[float]  # live: float(max(heartbeat bytes held, bytes reported here))
     cfg: PolicyConfig
@@ -132,7 +133,7 @@ class Columns:
         """Worker `i`'s queue or bytes changed: re-rank it before the next decision."""
         if self.admit_rank is not None:
             self.admit_rank.mark(i)
-        if self.holder_rank is not None:
+        if self.holder_rank is not None and self.holder_rank is not self.admit_rank:
             self.holder_rank.mark(i)
 
     def target(self, i: int) -> Target:
@@ -186,7 +187,8 @@ class LoadBook:
     def admit(self, request_id: str, worker: str, checkpoint: CheckpointRef | None,
               gateway: str, view: ClusterView | None = None) -> Admitted:
         """Record a request served by `worker` (replacing an entry of the same id)."""
-        self.finish(request_id)
+        if request_id in self.requests:
+            self.finish(request_id)
         node = view.nodes.get(gateway) if view is not None and gateway else None
         entry = Admitted(worker, checkpoint, gateway, self._clock(),
                          node.started_at if node is not None else None)
@@ -228,13 +230,19 @@ class LoadBook:
 
     def _count(self, entry: Admitted, delta: int) -> None:
         worker = entry.worker
+        cols = self._cols
         if worker:
             n = self._queued[worker] + delta
             if n:
                 self._queued[worker] = n
             else:
                 del self._queued[worker]
-            self._refresh_queue(worker)
+            i = None if cols is None else cols.index.get(worker)
+            if cols is not None and i is not None:
+                q = cols.queue[i] = max(cols.hb_queue[i], n)
+                if cols.work is not None:
+                    cols.work[i] = queued_prefill_s(q, cols.hb_running[i], cols.cfg)
+                cols.mark(i)
         ckpt = entry.checkpoint
         if ckpt is None:
             return
@@ -244,7 +252,7 @@ class LoadBook:
             if placed == delta:  # the first request to carry it
                 self._placed_on[ckpt.ckpt_id] = ckpt.holder
                 if ckpt.ckpt_id not in self.held:
-                    self._unreported[ckpt.holder] += 1
+                    self._count_unreported(ckpt.holder)
         else:
             del self._placed[ckpt.ckpt_id]
             holder = self._placed_on.pop(ckpt.ckpt_id)
@@ -261,12 +269,18 @@ class LoadBook:
                 del spread[ckpt.holder]
                 if not spread:
                     del self._spread[worker]
-            cols = self._cols
             if cols is not None:
                 column = cols.spread.get(worker)
                 i = cols.index.get(ckpt.holder)
                 if column is not None and i is not None:
                     column[i] += delta
+
+    def _count_unreported(self, holder: str) -> None:
+        self._unreported[holder] += 1
+        cols = self._cols
+        i = None if cols is None else cols.index.get(holder)
+        if cols is not None and i is not None:
+            cols.unreported[i] += 1
 
     def _uncount(self, holder: str) -> None:
         n = self._unreported[holder] - 1
@@ -274,16 +288,10 @@ class LoadBook:
             self._unreported[holder] = n
         else:
             del self._unreported[holder]
-
-    def _refresh_queue(self, worker: str) -> None:
         cols = self._cols
-        if cols is not None:
-            i = cols.index.get(worker)
-            if i is not None:
-                q = cols.queue[i] = max(cols.hb_queue[i], self._queued[worker])
-                if cols.work is not None:
-                    cols.work[i] = queued_prefill_s(q, cols.hb_running[i], cols.cfg)
-                cols.mark(i)
+        i = None if cols is None else cols.index.get(holder)
+        if cols is not None and i is not None:
+            cols.unreported[i] -= 1
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -301,7 +309,7 @@ class LoadBook:
             if old is None:  # its first report: no longer counted as unreported
                 self._uncount(placed_on)
             else:  # reported gone (0 bytes) while a request still carries it
-                self._unreported[placed_on] += 1
+                self._count_unreported(placed_on)
         return ckpt_id in self._placed
 
     def _add_bytes(self, holder: str, delta: int) -> None:
@@ -342,6 +350,7 @@ class LoadBook:
             budget=tuple(float(w.checkpoints.budget_bytes) for w in workers),
             eligible=tuple(self._eligible(view, w) for w in workers),
             hb_queue=hb_queue, hb_running=hb_running, hb_bytes=hb_bytes, held=held,
+            unreported=[self._unreported.get(w.name, 0) for w in workers],
             queue=queue, ckpt=list(map(float, map(max, hb_bytes, held))), cfg=cfg, work=work)
         self._cols = cols
         return cols
@@ -432,29 +441,27 @@ class LoadBook:
             rank = self._rank(cols, by_queue=False)
         order = rank.order()
         column = self._spread_column(cols, serving)
-        unreported = self._unreported
         # Placed and not reported: counted at the mean reported size, and then `serving`'s
-        # checkpoints too (holders_table).
+        # checkpoints too (holders_table); else each of `serving`'s weighs one byte.
         unit = ((self._held_total // len(self.held) if self.held else UNREPORTED_BYTES)
-                if unreported else 1)
+                if self._unreported else 1)
         alpha, beta = cols.cfg.alpha, cols.cfg.beta
-        nodes, hb, held, queue, workers = (cols.nodes, cols.hb_bytes, cols.held, cols.queue,
-                                           cols.workers)
+        nodes, hb, held, unreported, queue = (cols.nodes, cols.hb_bytes, cols.held,
+                                              cols.unreported, cols.queue)
         home = nodes[serving]
-        best: tuple[float, int] | None = None
+        best = (math.inf, len(nodes))  # above every pair
         best_bytes = 0
         for pair in order:
-            if best is not None and pair > best:
+            if pair > best:
                 break
             i = pair[1]
             if nodes[i] == home:
                 continue
-            n = column[i] + unreported[workers[i].name] if unreported else column[i]
-            ckpt = max(hb[i], held[i] + n * unit)
+            ckpt = max(hb[i], held[i] + (unreported[i] + column[i]) * unit)
             candidate = (alpha * ckpt + beta * queue[i], i)
-            if best is None or candidate < best:
+            if candidate < best:
                 best, best_bytes = candidate, ckpt
-        if best is None or best[0] == math.inf or best_bytes + 1.0 > cols.budget[best[1]]:
+        if best[0] == math.inf or best_bytes + 1.0 > cols.budget[best[1]]:
             return None
         return best[1], best[0]
 

@@ -32,8 +32,7 @@ class Ranking:
         self._marked: set[int] = set()
 
     def mark(self, index: int) -> None:
-        if index in self._keys:
-            self._marked.add(index)
+        self._marked.add(index)
 
     def order(self) -> Order:
         """Every member as `(key, index)`, ascending, with the marked ones re-keyed."""
@@ -42,12 +41,15 @@ class Ranking:
             keys, order, key = self._keys, self._order, self._key
             if len(marked) * 8 > len(order):  # many moved: one sort is cheaper
                 for i in marked:
-                    keys[i] = key(i)
+                    if i in keys:
+                        keys[i] = key(i)
                 order[:] = sorted((k, i) for i, k in keys.items())
             else:
                 for i in marked:
+                    old = keys.get(i)
+                    if old is None:  # not a member
+                        continue
                     new = key(i)
-                    old = keys[i]
                     if new != old:
                         del order[bisect.bisect_left(order, (old, i))]
                         bisect.insort(order, (new, i))

@@ -151,6 +151,7 @@ def recomputed(world: World) -> dict[str, Any]:
         "queued": +queued, "held_bytes": +by_holder, "spread": spread,
         "placed": +Counter(r.checkpoint.ckpt_id for r in requests.values() if r.checkpoint),
         "unreported": +pending,
+        "unreported_column": [pending[w.name] for w in workers],
         "holders": {w.name: [max(x.checkpoints.bytes_held,
                                  by_holder[x.name] + (spread.get(w.name, Counter())[x.name]
                                                       + pending[x.name]) * (size if pending else 1))
@@ -172,6 +173,7 @@ def kept(world: World) -> dict[str, Any]:
         "queued": +book._queued, "held_bytes": +book._held_bytes,
         "spread": {k: +v for k, v in book._spread.items()}, "placed": +book._placed,
         "unreported": +book._unreported,
+        "unreported_column": list(cols.unreported),
         "holders": {w.name: list(book.holders_table(cols, i).snapshot.ckpt_bytes)
                     for i, w in enumerate(cols.workers)},
     }
