@@ -1,4 +1,4 @@
-"""A newly elected coordinator facing 2000 events and 200 joins in one cycle: elected once,
+"""A newly elected coordinator facing 10 000 events and 200 joins in one cycle: elected once,
 stays, and leaves the events at the limit (real etcd, which refuses a transaction of more
 than 128 operations; in-process HA loops, the daemon's code)."""
 
@@ -13,7 +13,7 @@ from lumend.cluster.models import CoordinatorStatus, Event, NodeRecord, encode_v
 from lumend.cluster.store import MAX_TXN_OPS, EtcdStore, Put, StoreError
 
 KEYS = Keys("trim")
-OLD_EVENTS = 2100
+OLD_EVENTS = 10_100
 JOINS = 200
 
 
@@ -32,7 +32,7 @@ async def put_all(store: EtcdStore, puts: list[Put]) -> None:
         await store.txn([], puts[i:i + MAX_TXN_OPS])
 
 
-def test_2000_events_and_200_joins_in_one_cycle_elect_one_coordinator_that_stays(
+def test_10000_events_and_200_joins_in_one_cycle_elect_one_coordinator_that_stays(
         etcd: EtcdCluster) -> None:
     async def scenario() -> None:
         store = EtcdStore(etcd.endpoints)
