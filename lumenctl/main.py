@@ -470,13 +470,14 @@ def _wait_for_drain(c: Context, target: str, migrate: bool, timeout_s: float) ->
                 if c.output is not Output.table:
                     _emit(c, document("timed out"), drain_table)
                 left = [r for r in rows if not _empty(r)] or rows
+                what = "; ".join(
+                    f"{r['name']} is {r['state']} with {r['in_flight']} requests in flight "
+                    f"({r['running']} running, {r['waiting']} waiting)" for r in left) or (
+                    f"it has no workers, and a drain is done once nothing was in flight "
+                    f"for {DRAIN_SETTLE_S:g} s")
                 _fail(EXIT_FAILED, f"the drain of {target_kind} {target} did not finish "
-                      f"within {timeout_s:g} s: " + "; ".join(
-                          f"{r['name']} is {r['state']} with {r['in_flight']} requests in "
-                          f"flight ({r['running']} running, {r['waiting']} waiting)"
-                          for r in left)
-                      + f". The intent stays: wait longer, add --migrate, or withdraw it "
-                      f"with `lumenctl undrain {target}`")
+                      f"within {timeout_s:g} s: {what}. The intent stays: wait longer, add "
+                      f"--migrate, or withdraw it with `lumenctl undrain {target}`")
             time.sleep(DRAIN_POLL_S)
             view = _run(c, lambda store: _read_view(c, store))
     if c.output is Output.table:
