@@ -798,8 +798,21 @@ def _settings_table(doc: dict[str, Any]) -> RenderableType:
     return table
 
 
+SETTINGS = ClusterSettings.__struct_fields__  # the keys of lumend.coordinator.settings
+
+
+def _complete_setting(incomplete: str) -> list[str]:
+    return [key for key in SETTINGS if key.startswith(incomplete)]
+
+
+def setting_argument() -> Any:
+    return typer.Argument(..., help=f"One of {', '.join(SETTINGS)} (`lumenctl config show` "
+                          "says what each does).", autocompletion=_complete_setting,
+                          show_default=False)
+
+
 @config_app.command("get")
-def config_get(ctx: typer.Context, key: str = typer.Argument(..., help="A setting."),
+def config_get(ctx: typer.Context, key: str = setting_argument(),
                output: Output | None = output_option()) -> None:
     """Print one setting's value."""
     from lumend.coordinator.settings import KEYS
@@ -817,7 +830,7 @@ def config_get(ctx: typer.Context, key: str = typer.Argument(..., help="A settin
 @config_app.command("set")
 def config_set(
     ctx: typer.Context,
-    key: str = typer.Argument(..., help="alpha, beta, theta, tau or mode."),
+    key: str = setting_argument(),
     value: str = typer.Argument(..., help="The new value."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:

@@ -74,3 +74,13 @@ def test_the_old_etcd_timeout_name_sets_the_etcd_timeout() -> None:
         assert ctx.obj.timeout_s == expected, args
     both = CliRunner().invoke(app, ["--timeout", "1", "--etcd-timeout", "2", "version"])
     assert both.exit_code == 2 and "give only --etcd-timeout" in both.stderr
+
+
+def test_config_names_and_completes_every_setting() -> None:
+    from lumend.coordinator.settings import KEYS
+
+    for verb in ("get", "set"):
+        shown = CliRunner().invoke(app, ["config", verb, "--help"], env={"COLUMNS": "200"})
+        assert all(key in shown.stdout for key in KEYS), shown.stdout
+        assert complete(f"lumenctl config {verb} ") == list(KEYS)
+    assert complete("lumenctl config set de") == ["decisions"]
