@@ -127,7 +127,9 @@ async def client(args: argparse.Namespace) -> None:
     view = ClusterView(cluster=CLUSTER, revision=1,
                        coordinator=Coordinator(record=record, epoch=args.epoch, lease=0))
     link = CoordinatorLink("bench-gateway", lambda: view,
-                           timing=LinkTiming(admit_deadline_s=10.0, down_for_s=0.0))
+                           timing=LinkTiming(admit_deadline_s=10.0, down_for_s=0.0,
+                                             **({"admit_calls": args.admit_calls}
+                                                if args.admit_calls else {})))
     server = int(args.server_pid)
     stats = Path(args.stats)
     seq = [0]
@@ -479,7 +481,8 @@ def measure(tree: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             [sys.executable, __file__, "client", "--rpc", rpc, "--epoch",
              str(meta.create_revision), "--server-pid", str(server.pid), "--stats", str(stats),
              "--levels", ",".join(map(str, args.levels)),
-             "--callers", ",".join(map(str, args.callers)), "--seconds", str(args.seconds)],
+             "--callers", ",".join(map(str, args.callers)), "--seconds", str(args.seconds),
+             "--admit-calls", str(args.admit_calls)],
             env=env, capture_output=True, text=True, check=False)
         watch.stop()
         keep.set()
@@ -554,6 +557,8 @@ def main() -> None:
     parser.add_argument("--ttl", type=int, default=10)
     parser.add_argument("--workers", type=ints, default=[64, 256, 1024])
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--admit-calls", type=int, default=0,
+                        help="Admit calls in flight per gateway (0: the link's default)")
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rpc")
