@@ -144,25 +144,58 @@ def global_options(
 ) -> None:
     timeout_s = _renamed(ctx, "--timeout", "--etcd-timeout", "timeout_s", old_timeout_s,
                          timeout_s)
-    defaults = _defaults_from_config(config)
-    endpoint_list = (
-        [e.strip() for e in endpoints.split(",") if e.strip()]
-        if endpoints
-        else defaults.get("endpoints") or [DEFAULT_ENDPOINT]
-    )
-    tls = TlsFiles(
-        str(ca_cert) if ca_cert else defaults.get("ca_cert"),
-        str(cert) if cert else defaults.get("cert"),
-        str(key) if key else defaults.get("key"),
-    )
-    ctx.obj = Context(
-        endpoints=endpoint_list,
-        cluster=cluster or defaults.get("cluster") or "default",
+    ctx.obj = _connect(ctx.params, output, timeout_s)
+
+
+def _connect(params: dict[str, Any], output: Output, timeout_s: float) -> Context:
+    """The etcd connection the global options (`params`) and --config's [etcd] give."""
+    defaults = _defaults_from_config(params.get("config") or Path(DEFAULT_CONFIG))
+    endpoints, ca_cert, cert, key = (params.get(name) for name in
+                                     ("endpoints", "ca_cert", "cert", "key"))
+    return Context(
+        endpoints=[e.strip() for e in endpoints.split(",") if e.strip()] if endpoints
+        else defaults.get("endpoints") or [DEFAULT_ENDPOINT],
+        cluster=params.get("cluster") or defaults.get("cluster") or "default",
         output=output,
-        tls=tls,
+        tls=TlsFiles(str(ca_cert) if ca_cert else defaults.get("ca_cert"),
+                     str(cert) if cert else defaults.get("cert"),
+                     str(key) if key else defaults.get("key")),
         timeout_s=timeout_s,
         console=Console(no_color=not sys.stdout.isatty(), soft_wrap=not sys.stdout.isatty()),
     )
+
+
+COMPLETION_TIMEOUT_S = 0.5
+
+
+def _names(kind: str) -> Callable[[typer.Context, str], list[str]]:
+    """Shell completion of a command's target from the cluster: `nodes`, `workers`, both
+    (`targets`), or the targets of drain intents (`drained`). Nothing when etcd does not
+    answer within COMPLETION_TIMEOUT_S (a completion must not hang the shell)."""
+
+    def complete(ctx: typer.Context, incomplete: str) -> list[str]:
+        async def read() -> ClusterView:
+            store = EtcdStore(c.endpoints, request_timeout_s=COMPLETION_TIMEOUT_S,
+                              retry_budget_s=COMPLETION_TIMEOUT_S, tls=c.tls)
+            try:
+                return build_view(c.keys, await store.get_prefix(c.keys.root))
+            finally:
+                await store.close()
+
+        try:
+            c = _connect(ctx.find_root().params, Output.table, COMPLETION_TIMEOUT_S)
+            view = asyncio.run(read())
+        except Exception:  # an unreadable config, etcd out of reach: no suggestions
+            return []
+        names = {
+            "nodes": list(view.nodes),
+            "workers": list(view.workers),
+            "targets": [*view.nodes, *view.workers],
+            "drained": [i.target for i in view.intents if i.kind == "drain"],
+        }[kind]
+        return sorted(n for n in set(names) if n.startswith(incomplete))
+
+    return complete
 
 
 def _defaults_from_config(path: Path) -> dict[str, Any]:
@@ -355,7 +388,8 @@ def checkpoints(
 @app.command()
 def drain(
     ctx: typer.Context,
-    target: str = typer.Argument(..., help="A node or worker name."),
+    target: str = typer.Argument(..., help="A node or worker name.",
+                                 autocompletion=_names("targets")),
     migrate: bool = typer.Option(
         False, "--migrate", help="Also move in-flight requests off it, as a recovery would: "
         "to their checkpoint holders (resume), or recomputed on the least loaded worker."
@@ -490,7 +524,8 @@ def _wait_for_drain(c: Context, target: str, migrate: bool, timeout_s: float) ->
 @app.command()
 def undrain(
     ctx: typer.Context,
-    target: str = typer.Argument(..., help="A node or worker name."),
+    target: str = typer.Argument(..., help="A node or worker name.",
+                                 autocompletion=_names("drained")),
 ) -> None:
     """Remove a drain intent."""
     _remove_intent(ctx.obj, "drain", target)
@@ -499,7 +534,7 @@ def undrain(
 @app.command()
 def failover(
     ctx: typer.Context,
-    worker: str = typer.Argument(..., help="A worker name."),
+    worker: str = typer.Argument(..., help="A worker name.", autocompletion=_names("workers")),
     reason: str = typer.Option("", "--reason", help="Recorded with the intent."),
     cancel: bool = typer.Option(False, "--cancel", help="Withdraw a pending failover intent."),
     wait: bool = typer.Option(
@@ -541,7 +576,8 @@ def _wait_for_failover(c: Context, worker: str, requested_at: float, timeout_s: 
 @app.command()
 def agent(
     ctx: typer.Context,
-    node: str = typer.Argument(..., help="A node name (its gRPC address is read from etcd)."),
+    node: str = typer.Argument(..., help="A node name (its gRPC address is read from etcd).",
+                               autocompletion=_names("nodes")),
     rpc_ca: Path | None = typer.Option(
         None, "--rpc-ca", help="CA certificate of the nodes' gRPC (default: rpc.ca of "
         "--config). With --rpc-cert and --rpc-key: mTLS; with none of them and no "

@@ -16,6 +16,7 @@ from lumenctl.main import app
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import NodeRecord, encode_value
 from lumend.cluster.store import EtcdStore
+from tests.unit.test_lumenctl_args import complete
 
 CLUSTER = "flags"
 
@@ -88,3 +89,19 @@ def test_the_old_timeout_names_still_work_with_a_warning(etcd: EtcdCluster) -> N
     # The new names print no warning.
     code, _, err = ctl(etcd, "--etcd-timeout", "5", "status")
     assert code == 0 and "deprecated" not in err
+
+
+def test_completion_offers_the_clusters_names(etcd: EtcdCluster) -> None:
+    register_node(etcd, "gpu-a")
+    register_node(etcd, "gpu-b")
+    line = (f"lumenctl --config /nonexistent/lumend.toml --endpoints {etcd.endpoints[0]} "
+            f"--cluster {CLUSTER} ")
+    assert complete(line + "drain gpu-") == ["gpu-a", "gpu-b"]
+    assert complete(line + "agent gpu-b") == ["gpu-b"]
+    assert complete(line + "undrain ") == []  # nothing is drained
+    assert ctl(etcd, "drain", "gpu-b", "--yes", "--force")[0] == 0
+    assert complete(line + "undrain ") == ["gpu-b"]
+    assert complete(line + "failover ") == []  # no workers registered
+    # etcd out of reach: no suggestions.
+    dead = "lumenctl --config /nonexistent/lumend.toml --endpoints http://127.0.0.1:1 "
+    assert complete(dead + "drain ") == []
