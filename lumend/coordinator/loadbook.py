@@ -118,6 +118,7 @@ class Columns:
     holder_rank: Ranking | None = None
     _by_model: dict[str | None, tuple[bool, ...]] = field(default_factory=dict)
     _targets: dict[int, Target] = field(default_factory=dict)
+    _endpoints: dict[int, str] = field(default_factory=dict)
 
     def serving(self, model: str | None) -> tuple[bool, ...]:
         """Eligible workers of `model` (None or "": any)."""
@@ -135,6 +136,14 @@ class Columns:
             self.admit_rank.mark(i)
         if self.holder_rank is not None and self.holder_rank is not self.admit_rank:
             self.holder_rank.mark(i)
+
+    def endpoint(self, i: int) -> str:
+        """Where checkpoints held by worker `i` are sent: its node's holder."""
+        e = self._endpoints.get(i)
+        if e is None:
+            e = self._endpoints[i] = ("tcp://" +
+                                      self.view.nodes[self.workers[i].node].checkpoint)
+        return e
 
     def target(self, i: int) -> Target:
         t = self._targets.get(i)

@@ -178,7 +178,7 @@ class CoordinatorService:
             h, load = placed
             holder = cols.workers[h]
             ckpt = CheckpointRef(f"{self._ckpt_prefix}{next(self._ckpt_seq):016x}", holder.name,
-                                 "tcp://" + view.nodes[holder.node].checkpoint)
+                                 cols.endpoint(h))
             reason += f"; checkpoint on {holder.name} (L_hat {load:.3g})"
         else:
             reason += "; no checkpoint" + (" (policy stop_and_restart)"
