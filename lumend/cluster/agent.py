@@ -295,8 +295,10 @@ class ClusterAgent:
         view = build_view(self._keys, await self._store.read_prefixes(self._read_prefixes))
         self.view = view
         self._report_problems(view)
-        if view.coordinator is not None:
-            self.fence.observe(view.coordinator.epoch)
+        epoch = view.coordinator.epoch if view.coordinator is not None else None
+        self.fence.rewound(view.revision, epoch)
+        if epoch is not None:
+            self.fence.observe(epoch)
         if self.alarms:  # an alarm was seen: look every cycle until it is cleared
             with contextlib.suppress(StoreError):
                 status = await self._store.status()

@@ -46,12 +46,21 @@ class EpochFence:
     one linearizable read); anything else is refused and leaves the bar where it was. So a
     forged or corrupted epoch (2**62) can neither be obeyed nor lock out the real coordinator.
     Epochs the HA loop reads from etcd itself (`observe`) need no confirmation.
+
+    One event takes epochs back: etcd restored from a snapshot. Its revision returns to the
+    snapshot's, so the next coordinators' epochs fall below the bar and every order of theirs
+    would be refused until lumend restarts. The HA loop notices it (`rewound`): a linearizable
+    read answered at a revision below the highest epoch seen, which a running etcd cannot do
+    (every epoch seen was a revision etcd had committed). The bar then drops to the epoch of
+    the coordinator in that read; a coordinator deposed before the restore stays refused (its
+    epoch is neither that one nor confirmed by etcd).
     """
 
     def __init__(self, verify: EpochVerifier | None = None) -> None:
         self._highest = 0
         self._verify = verify
         self.unknown_refused = 0  # higher epochs etcd did not confirm
+        self.rewinds = 0  # restores of etcd noticed (the bar dropped)
 
     @property
     def highest(self) -> int:
@@ -60,6 +69,20 @@ class EpochFence:
     def observe(self, epoch: int) -> None:
         """An epoch read from etcd (the coordinator key's create revision)."""
         self._highest = max(self._highest, epoch)
+
+    def rewound(self, revision: int, epoch: int | None) -> bool:
+        """etcd answered a linearizable read at `revision`, with `epoch` its coordinator's
+        (None: none). Below the highest epoch seen, its history went back (a restore from a
+        snapshot): the bar drops to `epoch`, and True is returned."""
+        if revision >= self._highest:
+            return False
+        log.warning("etcd answered at revision %d, below coordinator epoch %d seen before: "
+                    "it was restored from a snapshot (or replaced); the fence now follows "
+                    "the coordinator elected since (epoch %s)", revision, self._highest,
+                    epoch if epoch is not None else "none yet")
+        self._highest = epoch or 0
+        self.rewinds += 1
+        return True
 
     def check(self, epoch: int) -> None:
         """Admit a command from `epoch` by what has been seen alone: the highest seen

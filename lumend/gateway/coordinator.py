@@ -106,11 +106,24 @@ class CoordinatorLink:
         return client
 
     def _check_epoch(self, term: Term, epoch: int) -> None:
-        if epoch < self.highest_epoch:
+        if epoch < self.highest_epoch and not self._rewound(term, epoch):
             raise RpcFailure(term[0], "reply", "FAILED_PRECONDITION",
                              f"reply from deposed coordinator epoch {epoch} (epoch "
                              f"{self.highest_epoch} seen)")
         self.highest_epoch = epoch
+
+    def _rewound(self, term: Term, epoch: int) -> bool:
+        """Whether a reply below the highest epoch seen comes from the coordinator etcd
+        elected after a restore from a snapshot: the view (a linearizable read) names it, at
+        a revision below that highest epoch, which a running etcd cannot answer (see
+        lumend/cluster/fencing.py). Then its epoch is the bar from now on."""
+        view = self._view()
+        if view is None or view.revision >= self.highest_epoch or term[1] != epoch:
+            return False
+        log.warning("coordinator epoch %d answers below epoch %d seen before: etcd was "
+                    "restored from a snapshot (its revision is %d); following the new one",
+                    epoch, self.highest_epoch, view.revision)
+        return True
 
     def _answered(self, call: str, term: Term) -> None:
         self.answered[call] += 1

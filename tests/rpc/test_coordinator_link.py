@@ -78,3 +78,44 @@ def test_finish_is_batched_off_the_request_path() -> None:
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_after_an_etcd_restore_the_link_follows_the_new_coordinator_and_no_deposed_one() -> None:
+    """A gateway that saw epoch 1519 before etcd was restored from a snapshot: the
+    coordinator elected since has epoch 19. Its replies are taken once the view (read at
+    revision 40, below 1519: a rewound etcd) names it; the same reply under a view read at a
+    revision above 1519 (etcd not rewound: a deposed coordinator) is refused, and the
+    admission decided locally."""
+    base = decoded_view(worker("a0", "a"), worker("b0", "b"))
+
+    async def scenario() -> None:
+        service = CoordinatorService("a", 19, lambda: base)
+        server = grpc.aio.server()
+        stubs.add_CoordinatorServicer_to_server(CoordinatorServicer(
+            lambda: service, lambda: "-", lambda s: None), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        record = CoordinatorRecord(node="a", address="127.0.0.1", rpc=f"127.0.0.1:{port}",
+                                   elected_at=0)
+
+        def read_at(revision: int) -> ClusterView:
+            return ClusterView(cluster="t", revision=revision, nodes=base.nodes,
+                               workers=base.workers,
+                               coordinator=Coordinator(record=record, epoch=19, lease=1))
+
+        restored = CoordinatorLink("gw", lambda: read_at(40))
+        running = CoordinatorLink("gw", lambda: read_at(2000))
+        restored.highest_epoch = running.highest_epoch = 1519
+        try:
+            admitted = await restored.admit("r1", None, ())
+            assert admitted is not None and admitted.epoch == 19
+            assert restored.highest_epoch == 19 and not restored.degraded
+            # Negative control: etcd not rewound, so epoch 19 is a deposed coordinator's.
+            assert await running.admit("r2", None, ()) is None
+            assert running.degraded["admit"] == 1 and running.highest_epoch == 1519
+        finally:
+            await restored.close()
+            await running.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())

@@ -60,3 +60,34 @@ def test_without_a_verifier_and_in_the_sync_check_a_higher_epoch_is_refused() ->
         asyncio.run(fence.admit(42))
     fence.check(41)
     assert fence.highest == 41
+
+
+def test_a_restored_etcd_lowers_the_bar_to_its_coordinator_and_no_further() -> None:
+    """etcd restored from a snapshot answers at a revision below the epochs seen: the bar
+    drops to the coordinator elected since; a coordinator deposed before the restore (an
+    epoch between, or the old bar) stays refused, and a running etcd never lowers it."""
+    etcd = Etcd(current=1519)
+    fence = EpochFence(etcd)
+    fence.observe(1519)
+    # A running etcd answers at revisions at or above every epoch it handed out.
+    assert not fence.rewound(1519, 1519) and not fence.rewound(2000, 1519)
+    assert fence.highest == 1519 and fence.rewinds == 0
+    # Negative control: before the restore is noticed, the new coordinator is refused.
+    with pytest.raises(StaleEpochError):
+        asyncio.run(fence.admit(19))
+    etcd.current = 19
+    assert fence.rewound(revision=40, epoch=19)
+    assert fence.highest == 19 and fence.rewinds == 1
+    asyncio.run(fence.admit(19))
+    # The coordinator of before the restore: above the bar now, and etcd does not confirm it.
+    with pytest.raises(UnknownEpochError):
+        asyncio.run(fence.admit(1519))
+    with pytest.raises(StaleEpochError):
+        asyncio.run(fence.admit(7))  # below the new coordinator's: deposed
+    # No coordinator elected yet in the restored etcd: the bar drops to nothing, and the
+    # first one etcd confirms raises it.
+    fence.observe(2500)
+    assert fence.rewound(revision=60, epoch=None) and fence.highest == 0
+    etcd.current = 61
+    asyncio.run(fence.admit(61))
+    assert fence.highest == 61
