@@ -202,7 +202,7 @@ def test_lumenctl_agent_shows_a_nodes_live_status_over_mtls(
 
     # The coordinator's Drain order reaches the node over mTLS, and the agent shows it
     # (the only serving worker of its model: --force).
-    drained = ctl(etcd, "drain", "node-1", "--yes", "--force", "--wait", "--timeout", "30")
+    drained = ctl(etcd, "drain", "node-1", "--yes", "--force", "--wait", "--wait-timeout", "30")
     assert drained.returncode == 0, drained.stderr
     doc = json.loads(ctl(etcd, "-o", "json", "agent", "node-1", *flags).stdout)
     assert doc["workers"][0]["drained"] is True and doc["workers"][0]["state"] == "drained"

@@ -231,7 +231,7 @@ def test_drain_migrate_moves_streams_to_their_holders_token_for_token(
                                            "streams on the victim (nothing to migrate)")
             restored_before = engines_total(view, OTHER, "lumen_sim_restored_tokens_total")
             drain = lumenctl(cluster, "drain", VICTIM, "--migrate", "--yes", "--wait",
-                             "--timeout", "60")
+                             "--wait-timeout", "60")
             code, out, err = await asyncio.to_thread(finished, drain, 90)
             # Empty long before the streams end: they moved (each still has >1000 tokens).
             assert code == 0, err
@@ -262,14 +262,14 @@ def test_drain_wait_times_out_naming_what_is_left(cluster: LocalCluster) -> None
             await ready(cluster, session, base)
             # An idle worker drains at once; -o json reports the same rows.
             idle = lumenctl(cluster, "-o", "json", "drain", OTHER, "--yes", "--wait",
-                            "--timeout", "30")
+                            "--wait-timeout", "30")
             code, out, err = await asyncio.to_thread(finished, idle)
             assert code == 0, err
             doc = json.loads(out[out.index("{"):])
             assert doc["outcome"] == "drained" and doc["target"] == OTHER
             assert [w["name"] for w in doc["workers"]] == [OTHER]
             assert doc["workers"][0]["in_flight"] == 0
-            # Undrain it again; then a long stream on the victim outlasts --timeout.
+            # Undrain it again; then a long stream on the victim outlasts --wait-timeout.
             assert (await asyncio.to_thread(finished, lumenctl(cluster, "undrain", OTHER)))[0] == 0
             await asyncio.to_thread(wait_until, lambda: all_serving(cluster)(), 20,
                                     "both serving again")
@@ -280,7 +280,7 @@ def test_drain_wait_times_out_naming_what_is_left(cluster: LocalCluster) -> None
             view = await asyncio.to_thread(wait_until, lambda: busy(cluster, VICTIM), 10,
                                            "a stream on the victim (nothing to name)")
             assert view.workers[VICTIM].load.running == 1
-            drain = lumenctl(cluster, "drain", "node-1", "--yes", "--wait", "--timeout", "3")
+            drain = lumenctl(cluster, "drain", "node-1", "--yes", "--wait", "--wait-timeout", "3")
             code, out, err = await asyncio.to_thread(finished, drain)
             assert code == 1
             assert "the drain of node node-1 did not finish within 3 s" in err
