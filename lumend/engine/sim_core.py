@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lumend.engine.costmodel import StepCoefficients
 from lumend.engine.sim_tokenizer import (
     ByteVocabulary,
     Ranked,
@@ -96,19 +97,37 @@ def kv_page(block_hash: bytes, page_bytes: int) -> bytes:
     return digest * whole + digest[:rest] if rest else digest * whole
 
 
-@dataclass(frozen=True)
-class StepCost:
-    """Step time as `a + b*prefill + c*prefill^2 + d*decode_batch + e*decode_context`."""
+# The step-time formula `a + b*prefill + c*prefill^2 + d*decode_batch + e*decode_context` is
+# the cluster simulator's (one class, so the sim engine and `lumenctl sim` cannot drift apart).
+StepCost = StepCoefficients
 
-    a: float
-    b: float
-    c: float
-    d: float
-    e: float
 
-    def seconds(self, prefill_tokens: int, decode_batch: int, decode_context: int) -> float:
-        return (self.a + self.b * prefill_tokens + self.c * prefill_tokens**2
-                + self.d * decode_batch + self.e * decode_context)
+@dataclass
+class StepClock:
+    """Paces modelled steps on the wall clock. Each step ends `step_s` after the previous
+    one's end, not after the engine's own work between them (committing and streaming
+    tokens, saving checkpoint blocks), which would otherwise add to every modelled step.
+    A step that starts more than one step's length behind restarts the clock from now
+    (no burst of short steps to catch up); the time given up is `late_s`. `idle()` when
+    the engine runs out of work: the next step starts when it is asked for."""
+
+    end: float | None = None
+    modelled_s: float = 0.0  # every step's modelled (time-scaled) seconds
+    late_s: float = 0.0  # wall seconds the engine fell behind its model and gave up
+
+    def begin(self, now: float, step_s: float) -> float:
+        """Seconds to wait from `now` until the step of `step_s` ends."""
+        if self.end is None:
+            start = now
+        else:
+            start = max(self.end, now - step_s)
+            self.late_s += max(0.0, now - step_s - self.end)
+        self.end = start + step_s
+        self.modelled_s += step_s
+        return max(0.0, self.end - now)
+
+    def idle(self) -> None:
+        self.end = None
 
 
 class TokenModel:
@@ -296,7 +315,7 @@ class Scheduler:
                 decoding.append(r)
         context = sum(r.context_len for r in decoding)
         self.prefill_tokens += prefill_tokens
-        return self.cost.seconds(prefill_tokens, len(decoding), context), decoding
+        return self.cost.step_time(prefill_tokens, len(decoding), context), decoding
 
     def verify_seconds(self, drafted_tokens: int) -> float:
         """What verifying drafted tokens adds to a step: they are computed like prompt

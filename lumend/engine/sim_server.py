@@ -49,6 +49,7 @@ from lumend.engine.sim_core import (
     Scheduler,
     SimRequest,
     SleepState,
+    StepClock,
     StepOutput,
     TokenModel,
 )
@@ -88,6 +89,7 @@ class SimEngine:
         self.model = TokenModel(vocabulary(opts.tokenizer), opts.eos_every,
                                 opts.tokens_per_chunk)
         self.scheduler = Scheduler(opts.seed, opts.model.cost, opts.model.limits, self.model)
+        self.clock = StepClock()
         self.weights_source = ""
         self.weights_seconds = 0.0
         self.started_at = time.time()
@@ -262,6 +264,7 @@ class SimEngine:
     async def batch_loop(self) -> None:
         while True:
             if self.scheduler.idle():
+                self.clock.idle()
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -272,7 +275,8 @@ class SimEngine:
                 drafts = await attachment.drafts(_contexts(decoding), counters)
                 duration += self.scheduler.verify_seconds(
                     sum(len(d) for d in drafts.values()))
-            await asyncio.sleep(duration * self.opts.time_scale)
+            await asyncio.sleep(self.clock.begin(time.monotonic(),
+                                                 duration * self.opts.time_scale))
             s = self.scheduler
             drafted, accepted = s.drafted_tokens, s.accepted_tokens
             s.end_step(decoding, drafts)
@@ -426,6 +430,8 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_refused_total {engine.refused_total}",
             f"lumen_sim_tokens_generated_total {s.tokens_generated}",
             f"lumen_sim_steps_total {s.steps}",
+            f"lumen_sim_step_seconds_total {engine.clock.modelled_s}",
+            f"lumen_sim_step_late_seconds_total {engine.clock.late_s}",
             f'lumen_sim_active {1 if engine.state == "active" else 0}',
             f"lumen_sim_prefill_tokens_total {s.prefill_tokens}",
             f"lumen_sim_sleeping {1 if engine.memory.sleeping else 0}",
