@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from lumend.coordinator.policy import GIB, MEAN_PROMPT_TOKENS, Mode, PolicyConfig, in_seconds
+from lumend.engine.costmodel import CostModel, load_cost_model
 
 
 class FaultKind(StrEnum):
@@ -49,14 +50,23 @@ class SimConfig:
     workers: int = 4
     model: str = "qwen3-32b"
     gpu: str = "a100-tp4"
+    # The step and KV costs; None: the preset of `model` on `gpu`. The validation against
+    # the local cluster gives the sim engines' own (lumend.sim.local.sim_engine_cost).
+    cost: CostModel | None = None
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     fault: FaultSpec = field(default_factory=FaultSpec)
     seed: int = 0
     # Engine (vLLM-like): token budget per step (decode tokens count against it), sequences.
     chunk_tokens: int = 2048
+    # vLLM's max_num_batched_tokens counts each decoding sequence's token against the budget;
+    # the sim engine's prefill chunk does not (False).
+    decode_in_budget: bool = True
     max_batch: int = 256
     kv_capacity_tokens: int | None = None  # None: from GPU memory and model size
     block_tokens: int = 16
+    # Serving overhead before the scheduler sees a request (API server, tokenization, the
+    # gateway's admission): 0 in the GPU scenarios; the local-cluster validation measures it.
+    request_overhead_s: float = 0.0
     # The workload's mean prompt, for the cost-aware L_hat's beta (one mean request's
     # prefill): the conversation trace's 1155 tokens unless a sweep scales prompts.
     mean_prompt_tokens: float = MEAN_PROMPT_TOKENS
@@ -112,7 +122,8 @@ class SimConfig:
         if self.init_s < 0 or (self.reload_s is not None and self.reload_s < 0):
             raise ValueError(f"init_s and reload_s must be >= 0 s, got {self.init_s} and "
                              f"{self.reload_s}")
-        for name in ("crash_detect_s", "host_detect_s", "shadow_takeover_s"):
+        for name in ("crash_detect_s", "host_detect_s", "shadow_takeover_s",
+                     "request_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
         if self.replicas not in (1, 2):
@@ -124,6 +135,13 @@ class SimConfig:
     @property
     def reload_bytes_per_s(self) -> float:
         return self.reload_gbps * 1e9
+
+    def cluster_cost(self) -> CostModel:
+        return self.cost if self.cost is not None else load_cost_model(self.model, self.gpu)
+
+    def prefill_budget(self, decoding: int) -> int:
+        """Prefill tokens one step can take beside `decoding` sequences."""
+        return self.chunk_tokens - decoding if self.decode_in_budget else self.chunk_tokens
 
     def with_policy(self, policy: PolicyConfig) -> SimConfig:
         return replace(self, policy=policy)
@@ -178,9 +196,7 @@ def cost_policy(cfg: SimConfig, pol: PolicyConfig) -> PolicyConfig:
     """`pol` with the costs of `cfg`'s cluster: L_hat in seconds (alpha: one held byte's
     restore time; beta: one mean request's prefill, `cfg.mean_prompt_tokens`), the
     restore bandwidth, a full chunk's prefill seconds per token, KV bytes per token."""
-    from lumend.engine.costmodel import load_cost_model
-
-    cost = load_cost_model(cfg.model, cfg.gpu)
+    cost = cfg.cluster_cost()
     per_token = cost.step_time(cfg.chunk_tokens, 0, 0) / cfg.chunk_tokens
     # alpha and beta from these costs as the coordinator derives its own (policy.in_seconds).
     return in_seconds(replace(pol, restore_bytes_per_s=cfg.restore_bytes_per_s,

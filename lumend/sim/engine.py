@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from lumend.checkpoint.store import PROTECTED_SHARE
 from lumend.coordinator import policy
-from lumend.engine.costmodel import CostModel, load_cost_model
+from lumend.engine.costmodel import CostModel
 from lumend.sim.assist import DraftFunction
 from lumend.sim.config import FaultKind, SimConfig, cost_policy
 from lumend.sim.links import Backlog, SharedLink
@@ -243,7 +243,7 @@ class Simulation:
         self.cfg = cfg
         # A cost-aware policy decides with this cluster's costs (seconds, not requests).
         self.pcfg = cost_policy(cfg, cfg.policy) if cfg.policy.cost_aware else cfg.policy
-        self.cost: CostModel = load_cost_model(cfg.model, cfg.gpu)
+        self.cost: CostModel = cfg.cluster_cost()
         coeff = self.cost.coefficients
         self.a, self.b, self.c, self.d, self.e = coeff.a, coeff.b, coeff.c, coeff.d, coeff.e
         self.kvb = float(self.cost.model.kv_bytes_per_token)
@@ -307,6 +307,7 @@ class Simulation:
         self.draft_accepted = 0
         self.ck_bw = cfg.link_bytes_per_s
         self.chunk_tokens, self.max_batch = cfg.chunk_tokens, cfg.max_batch
+        self.decode_in_budget = cfg.decode_in_budget
         # Eq. 4 weights, for _touch's inline L_hat (tests check it against policy.loads).
         self.alpha, self.beta = self.pcfg.alpha, self.pcfg.beta
 
@@ -326,8 +327,11 @@ class Simulation:
         now = 0.0
         pop = heapq.heappop
         step_end, admit = self._step_end, self._admit
+        # A request reaches the scheduler this long after the client sent it (its TTFT
+        # counts from the send).
+        overhead = cfg.request_overhead_s
         while True:
-            next_arrival = reqs[i].arrival if i < n else math.inf
+            next_arrival = reqs[i].arrival + overhead if i < n else math.inf
             if heap and heap[0][0] <= next_arrival:
                 now, _, kind, obj, tag = pop(heap)
                 self.events += 1
@@ -522,7 +526,7 @@ class Simulation:
             self._apply_rate(w)
         nrun = len(w.running)
         gain = w.gain
-        budget = self.chunk_tokens - nrun
+        budget = self.chunk_tokens - nrun if self.decode_in_budget else self.chunk_tokens
         seqs = nrun
         free = w.kv_cap - w.kv_used - nrun * gain
         chunks: list[tuple[Req, int]] = []
@@ -964,7 +968,7 @@ class Simulation:
         the per-token cost of a step beside its decode batch, plus pending page loads."""
         if not self.cost_aware:
             return
-        chunk, bw = self.chunk_tokens, self.cfg.restore_bytes_per_s
+        bw = self.cfg.restore_bytes_per_s
         for w in self.workers:
             todo = 0
             load = 0.0
@@ -973,7 +977,7 @@ class Simulation:
                 load += r.load_bytes
             load += sum(r.ctx for r in w.restoring) * self.kvb
             nrun = len(w.running)
-            p = max(1, chunk - nrun)
+            p = max(1, self.cfg.prefill_budget(nrun))
             per_token = self.cost.step_time(p, nrun, w.ctx_sum) / p / w.speed
             self.col_work[w.idx] = todo * per_token + load / bw
 
@@ -993,7 +997,7 @@ class Simulation:
             head = w.queue[0].todo if w.queue else 0
             bound = bool(todo) and (nrun >= self.max_batch
                                     or w.kv_cap - w.kv_used - nrun < min(head, 1))
-            p = min(todo, max(0, self.chunk_tokens - nrun))
+            p = min(todo, max(0, self.cfg.prefill_budget(nrun)))
             step = self.cost.step_time(p, nrun, w.ctx_sum) / w.speed
             self.col_gain[w.idx] = policy.assist_gain(
                 step, self._assist_extra(w, nrun), tpr, prefill_waiting=todo > 0,

@@ -1,0 +1,389 @@
+"""The simulator against the real local cluster: one trace, one fault, the same cost model.
+
+Real: --nodes lumend nodes (one sim worker each, no shadows, time-scaled sim engines of
+--model) on one etcd, with their gateways, coordinator and checkpoint holders, in --policy's
+mode; a seeded trace (Poisson arrivals, prompt and output lengths uniform in the given
+ranges) streams through the gateways and node-2-w0's engine is SIGKILLed at --fault-at.
+Simulated: the same requests (arriving when the real ones were sent) through `lumenctl
+sim`'s engine set up as those sim engines (`lumend.sim.local`: the sim engine's step
+formula and coefficients x time scale, its prefill chunk, batch and KV limits, its restart),
+the same fault at the moment the real kill happened, the same policy.
+
+Both sides are measured by the same functions: mean TTFT and mean TPOT over every completed
+request (TPOT per request: first to last token over its tokens - 1), the recovery time
+(`recovery_s`), the interrupted streams (real: the recovery decisions the gateways logged;
+simulated: the requests on the killed worker) and the failure-free TTFT (requests sent
+before the fault, after --warmup). What the cost model does not know is measured on the
+real cluster and given to the simulator, and the output says so: the restarted engine's
+process start (kill-to-serving minus the model's initialisation) and the serving overhead
+per request (a lone request's TTFT through a gateway minus the model's). Asserts nothing;
+prints the table, how far the sim engines fell behind their cost model, and the load
+average (2 shared cores: the real side's timing is the machine's too).
+
+    python bench/validate_sim.py [--model sim-medium] [--nodes 2] [--rate 2.5]
+        [--duration 120] [--fault-at 30] [--time-scale 8] [--policy lumen] [--save F.json]
+
+Needs the etcd binary. About 4 minutes with the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+from lumenctl.localcluster import LocalCluster
+from lumenctl.recovery import (
+    DecisionLog,
+    Outcome,
+    Replay,
+    Request,
+    lumenctl,
+    read_view,
+    trace,
+    wait_whole,
+)
+from lumenctl.sse import data_events
+from lumend.engine.sim_core import Scheduler, SimRequest, StepOutput
+from lumend.engine.sim_models import sim_model
+from lumend.sim.config import apply_policy
+from lumend.sim.engine import simulate
+from lumend.sim.local import local_cluster_config, sim_engine_cost
+from lumend.sim.sweep import request_seconds
+from lumend.sim.workload import Workload
+
+VICTIM = "node-2-w0"
+MODELS = ("sim-medium", "sim-small")  # the same step costs; sim-medium restarts in 6 s x scale
+POLICIES = ("lumen", "fixed_checkpoint", "stop_and_restart")
+RECOVERY_WINDOW_S, RECOVERY_STEP_S, RECOVERY_TOLERANCE = 10.0, 0.5, 0.2
+PROBES = 10  # lone requests per path for the idle TTFT
+PROBE_TOKENS = 1000  # their prompt (a probe prefix adds a few)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request as both sides report it (seconds from the trace's start)."""
+
+    sent: float
+    first: float
+    last: float
+    tokens: int
+    interrupted: bool
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.last - self.first) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass(frozen=True)
+class Side:
+    ttft_s: float
+    tpot_s: float
+    recovery_s: float | None
+    interrupted: int
+    failure_free_ttft_s: float
+    completed: int
+    back_after_s: float | None
+
+
+def recovery_s(served: Sequence[Served], fault: float, warmup: float) -> float | None:
+    """Seconds from the fault until TTFT is back to stay: the simulator's rule (the level
+    before the fault, TTFT over windows of arrivals, back when within 20% above it) at the
+    local run's scale, 10 s windows sliding by 0.5 s, recovered at the first window after
+    the last one above the level; 0 if none is, None if the trace ends above it."""
+    level = statistics.fmean(s.ttft for s in served if warmup <= s.sent < fault)
+    end = max(s.sent for s in served)
+    last_high: float | None = None
+    t = fault
+    while t + RECOVERY_WINDOW_S <= end:
+        window = [s.ttft for s in served if t <= s.sent < t + RECOVERY_WINDOW_S]
+        if window and statistics.fmean(window) > (1 + RECOVERY_TOLERANCE) * level:
+            last_high = t
+        t += RECOVERY_STEP_S
+    if last_high is None:
+        return 0.0
+    if last_high + RECOVERY_STEP_S >= t:
+        return None
+    return last_high + RECOVERY_STEP_S - fault
+
+
+def measure(served: Sequence[Served], fault: float, warmup: float,
+            back_after: float | None, interrupted: int | None = None) -> Side:
+    tpots = [t for s in served if (t := s.tpot) is not None]
+    before = [s.ttft for s in served if warmup <= s.sent < fault]
+    return Side(
+        ttft_s=statistics.fmean(s.ttft for s in served),
+        tpot_s=statistics.fmean(tpots),
+        recovery_s=recovery_s(served, fault, warmup),
+        interrupted=(sum(s.interrupted for s in served) if interrupted is None
+                     else interrupted),
+        failure_free_ttft_s=statistics.fmean(before),
+        completed=len(served), back_after_s=back_after)
+
+
+# -- the real cluster -------------------------------------------------------------------
+
+
+def real_served(outcomes: Sequence[Outcome]) -> list[Served]:
+    """Completed streams (interruptions are counted from the gateways' decisions)."""
+    return [Served(o.sent_at, o.token_times[0], o.token_times[-1], o.request.max_tokens,
+                   False)
+            for o in outcomes
+            if not o.error and len(o.token_times) >= 2
+            and len(o.text) == o.request.max_tokens]
+
+
+@dataclass
+class RealRun:
+    outcomes: list[Outcome]
+    fault: float
+    back_after: float | None
+    decisions: int  # recovery routing decisions the gateways logged: interrupted streams
+    modelled_step_s: float  # the engines' steps as their cost model times them
+    late_step_s: float  # time the engines fell behind that and gave up
+    idle_ttft_direct_s: float  # a lone request straight to an engine
+    idle_ttft_gateway_s: float  # the same through a gateway
+
+
+def engine_metric_sum(urls: Sequence[str], name: str) -> float:
+    import urllib.request
+
+    total = 0.0
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    total += float(line.split()[1])
+    return total
+
+
+async def idle_ttft(url: str, prompt_tokens: int, count: int) -> float:
+    """Median TTFT of `count` lone requests, one after another, to `url` (an engine or a
+    gateway), after two that are not counted (first connections, first checkpoints)."""
+    ttfts = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(count + 2):
+            body = {"prompt": f"probe {i:02d} " + "x" * prompt_tokens, "max_tokens": 2,
+                    "stream": True}
+            started = time.monotonic()
+            async with session.post(url + "/v1/completions", json=body) as r:
+                async for _ in data_events(r.content):
+                    ttfts.append(time.monotonic() - started)
+                    break
+    return statistics.median(ttfts[2:])
+
+
+class BackWatch:
+    """When the victim worker serves again from a new engine after the kill."""
+
+    def __init__(self) -> None:
+        self.back_at: float | None = None
+
+    async def __call__(self, run: Replay) -> None:
+        old: set[int | None] = set()
+        while self.back_at is None:
+            view = await asyncio.to_thread(read_view, run.cluster.endpoints,
+                                           run.cluster.cluster)
+            worker = view.workers.get(run.victim)
+            if worker is not None:
+                active = {e.pid for e in worker.engines if e.state == "active"}
+                if run.fault is None:
+                    old = active or old
+                elif worker.state == "serving" and active and not active & old:
+                    self.back_at = run.now()
+            await asyncio.sleep(0.1)
+
+
+def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> RealRun:
+    cluster = LocalCluster(root, size=args.nodes, shadows=0, lease_ttl_s=3,
+                           # after lumend's own --model (the worker's: sim-small), so it wins
+                           engine_args=("--time-scale", f"{args.time_scale:g}",
+                                        "--model", args.model))
+    try:
+        cluster.start()
+        wait_whole(cluster, 0)
+        lumenctl(cluster, "config", "set", "mode", args.policy, "--yes")
+        time.sleep(1.0)
+        engines = [e.url for w in read_view(cluster.endpoints, cluster.cluster).workers.values()
+                   for e in w.engines if e.state == "active"]
+        direct = asyncio.run(idle_ttft(engines[0], PROBE_TOKENS, PROBES))
+        through = asyncio.run(idle_ttft(cluster.nodes[0].gateway, PROBE_TOKENS, PROBES))
+        decisions = DecisionLog(cluster)
+        run = Replay(cluster, requests, args.fault_at, VICTIM)
+        watch = BackWatch()
+        asyncio.run(run.run(watch))
+        assert run.fault is not None
+        back = None if watch.back_at is None else watch.back_at - run.fault
+        routed = len(decisions.new())
+        wait_whole(cluster, 0)
+        engines = [e.url for w in read_view(cluster.endpoints, cluster.cluster).workers.values()
+                   for e in w.engines if e.state == "active"]
+        modelled = engine_metric_sum(engines, "lumen_sim_step_seconds_total")
+        late = engine_metric_sum(engines, "lumen_sim_step_late_seconds_total")
+        return RealRun(run.outcomes, run.fault, back, routed, modelled, late, direct, through)
+    finally:
+        cluster.stop()
+
+
+# -- the simulator ----------------------------------------------------------------------
+
+
+def lone_ttft_s(model_name: str, tokens: int, time_scale: float) -> float:
+    """A lone request's TTFT by the sim engine's own scheduler and cost model."""
+    model = sim_model(model_name)
+    scheduler = Scheduler(0, model.cost, model.limits)
+    first: list[StepOutput | None] = []
+    scheduler.add(SimRequest("probe", [65] * tokens, 1, first.append))
+    seconds = 0.0
+    while not first:
+        step, decoding = scheduler.begin_step()
+        seconds += step
+        scheduler.end_step(decoding)
+    return seconds * time_scale
+
+
+def run_sim(outcomes: Sequence[Outcome], fault: float, process_start_s: float,
+            overhead_s: float, args: argparse.Namespace) -> tuple[list[Served], float]:
+    """The same requests, arriving when the real ones were sent; the fault at the real
+    kill's moment on worker 0 (the simulator's victim; the workers are alike)."""
+    sent = sorted((o.sent_at, len(o.request.prompt), o.request.max_tokens) for o in outcomes)
+    workload = Workload([s[0] for s in sent], [s[1] for s in sent], [s[2] for s in sent])
+    cfg = local_cluster_config(args.model, args.time_scale, args.nodes, fault_at_s=fault,
+                               restore_bytes_per_s=args.restore_mbps * 1e6,
+                               process_start_s=process_start_s, request_overhead_s=overhead_s)
+    cfg = apply_policy(cfg, args.policy)
+    result = simulate(workload, cfg)
+    out = [Served(r.arrival, r.first_token, r.finish, r.output, r.interrupted_at >= 0)
+           for r in result.requests if r.finish >= 0]
+    assert cfg.reload_s is not None
+    return out, cfg.reload_s
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def utilisation(model_name: str, rate: float, nodes: int, prompt: tuple[int, int],
+                output: tuple[int, int], time_scale: float) -> float:
+    """Offered load per worker as a share of one engine's capacity by the cost model (as
+    `lumenctl sim --sweep --loads` states it)."""
+    model = sim_model(model_name)
+    seconds = request_seconds(sim_engine_cost(model, time_scale), sum(prompt) / 2,
+                              sum(output) / 2, model.limits.prefill_chunk)
+    return rate / nodes * seconds
+
+
+def table(real: Side, sim: Side) -> str:
+    rows: list[tuple[str, float | None, float | None, str]] = [
+        ("mean TTFT", real.ttft_s, sim.ttft_s, "s"),
+        ("mean TPOT", real.tpot_s, sim.tpot_s, "s"),
+        ("recovery time", real.recovery_s, sim.recovery_s, "s"),
+        ("requests interrupted", real.interrupted, sim.interrupted, ""),
+        ("failure-free TTFT", real.failure_free_ttft_s, sim.failure_free_ttft_s, "s"),
+        ("worker back after", real.back_after_s, sim.back_after_s, "s"),
+        ("requests completed", real.completed, sim.completed, ""),
+    ]
+    lines = [f"{'metric':<22} {'real':>10} {'simulated':>10} {'sim / real':>10}",
+             "-" * 55]
+    for name, r, s, unit in rows:
+        def fmt(v: float | None, unit: str = unit) -> str:
+            if v is None:
+                return "never"
+            return f"{v * 1000:.1f} ms" if unit == "s" and v < 1 else (
+                f"{v:.2f} s" if unit == "s" else f"{v:.0f}")
+        ratio = f"{s / r:.2f}" if r and s is not None else "n/a"
+        lines.append(f"{name:<22} {fmt(r):>10} {fmt(s):>10} {ratio:>10}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0],
+                        help="the engines' sim model")
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="lumend nodes, one sim worker each (node-2's engine is killed)")
+    parser.add_argument("--duration", type=float, default=120.0, help="trace length, s")
+    parser.add_argument("--rate", type=float, default=2.5, help="arrivals per second, all")
+    parser.add_argument("--fault-at", type=float, default=30.0, help="s into the trace")
+    parser.add_argument("--warmup", type=float, default=4.0,
+                        help="requests sent before this are left out of the pre-fault level")
+    parser.add_argument("--prompt", type=int, nargs=2, default=(600, 1400),
+                        metavar=("MIN", "MAX"), help="prompt length range, tokens")
+    parser.add_argument("--output", type=int, nargs=2, default=(100, 200),
+                        metavar=("MIN", "MAX"), help="output length range, tokens")
+    parser.add_argument("--time-scale", type=float, default=8.0, help="sim engine slowdown")
+    parser.add_argument("--restore-mbps", type=float, default=500.0,
+                        help="checkpoint restore bandwidth over loopback, MB/s (simulator)")
+    parser.add_argument("--policy", choices=POLICIES, default=POLICIES[0],
+                        help="the cluster's mode and the simulator's policy")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="write every request's times on both sides here (JSON)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the cluster's logs here (default: a temporary directory)")
+    args = parser.parse_args()
+    prompt, output = tuple(args.prompt), tuple(args.output)
+    requests = trace(args.seed, args.duration, args.rate, prompt, output)
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lumen-validate-sim-") as tmp:
+        print(f"  real: {len(requests)} requests over {args.duration:g} s, SIGKILL of "
+              f"{VICTIM}'s engine at {args.fault_at:g} s ...", file=sys.stderr, flush=True)
+        real_run = run_real(requests, args, args.workdir or Path(tmp))
+    real_wall = time.monotonic() - started
+    load_after = os.getloadavg()
+    fault, back = real_run.fault, real_run.back_after
+    model = sim_model(args.model)
+    init_s = model.init_s * args.time_scale
+    process_start = max(0.0, back - init_s) if back is not None else 0.0
+    probe_tokens = PROBE_TOKENS + len("probe 00 ")
+    modelled_lone = lone_ttft_s(args.model, probe_tokens, args.time_scale)
+    overhead = max(0.0, real_run.idle_ttft_gateway_s - modelled_lone)
+    simulated, reload_s = run_sim(real_run.outcomes, fault, process_start, overhead, args)
+    real = measure(real_served(real_run.outcomes), fault, args.warmup, back,
+                   real_run.decisions)
+    sim = measure(simulated, fault, args.warmup, reload_s)
+    if args.save is not None:
+        args.save.write_text(json.dumps({
+            "fault": fault, "real": [asdict(x) for x in real_served(real_run.outcomes)],
+            "simulated": [asdict(x) for x in simulated]}))
+    print(f"validation: {args.nodes} nodes x 1 {args.model} sim engine (time scale "
+          f"{args.time_scale:g}), "
+          f"policy {args.policy}, {len(requests)} requests (seed {args.seed}, Poisson "
+          f"{args.rate:g}/s over {args.duration:g} s, prompts {prompt[0]}-{prompt[1]}, outputs "
+          f"{output[0]}-{output[1]} tokens; utilisation "
+          f"{utilisation(args.model, args.rate, args.nodes, prompt, output, args.time_scale):.0%} "
+          f"of the cost "
+          f"model's capacity per worker), SIGKILL of one engine at {fault:.2f} s")
+    print(table(real, sim))
+    print(f"simulator given: restart = process start {process_start:.2f} s (measured: real "
+          f"kill-to-serving minus the model's {init_s:g} s init) + init; serving overhead "
+          f"{overhead * 1000:.0f} ms per request (measured: a lone {probe_tokens}-token "
+          f"request's TTFT through a gateway, {real_run.idle_ttft_gateway_s * 1000:.0f} ms, "
+          f"minus the model's {modelled_lone * 1000:.0f} ms; straight to an engine "
+          f"{real_run.idle_ttft_direct_s * 1000:.0f} ms; idle cluster, {PROBES} each); "
+          f"restores {args.restore_mbps:g} MB/s beside the engine")
+    late = real_run.late_step_s / real_run.modelled_step_s if real_run.modelled_step_s else 0
+    print(f"sim engines' pacing: behind their cost model by {late:.1%} of "
+          f"{real_run.modelled_step_s:.0f} modelled step-seconds")
+    errors = sum(1 for o in real_run.outcomes if o.error)
+    print(f"real run: {real_wall:.0f} s wall, {errors} errors, load average "
+          f"{load_before[0]:.1f} before / {load_after[0]:.1f} after (1 min), "
+          f"{os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The simulator set up as the local cluster's sim engines (lumend.sim.local) computes the
+same times as the sim engine's own scheduler, driven here without sleeping."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lumenctl.recovery import trace
+from lumend.engine.costmodel import StepCoefficients
+from lumend.engine.sim_core import Scheduler, SimRequest, StepClock, StepCost, StepOutput
+from lumend.engine.sim_models import sim_model
+from lumend.sim.config import FaultKind, FaultSpec, apply_policy
+from lumend.sim.engine import simulate
+from lumend.sim.local import local_cluster_config, sim_engine_cost
+from lumend.sim.workload import Workload
+
+SCALE = 8.0
+
+
+def engine_times(requests: list[tuple[float, int, int]], scale: float = SCALE
+                 ) -> list[tuple[float, float]]:
+    """(first token, last token) per request from one sim engine's Scheduler, its steps
+    taking step time x `scale` of virtual time, arrivals joining before the next step."""
+    model = sim_model("sim-small")
+    scheduler = Scheduler(0, model.cost, model.limits)
+    times: list[list[float]] = [[] for _ in requests]
+    now, i = 0.0, 0
+    stamp = [now]  # the end of the step in progress: when its tokens are out
+    while i < len(requests) or not scheduler.idle():
+        if scheduler.idle():
+            now = max(now, requests[i][0])
+        while i < len(requests) and requests[i][0] <= now:
+            _, prompt, output = requests[i]
+
+            def emit(out: StepOutput | None, k: int = i) -> None:
+                times[k].append(stamp[0])
+            scheduler.add(SimRequest(str(i), [65] * prompt, output, emit))
+            i += 1
+        duration, decoding = scheduler.begin_step()
+        now += duration * scale
+        stamp[0] = now
+        scheduler.end_step(decoding)
+    return [(t[0], t[-1]) for t in times]
+
+
+def simulator_times(requests: list[tuple[float, int, int]], scale: float = SCALE,
+                    workers: int = 1) -> list[tuple[float, float]]:
+    cfg = local_cluster_config("sim-small", scale, workers, fault_at_s=0.0,
+                               restore_bytes_per_s=5e8, process_start_s=1.0)
+    cfg = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none)), "stop_and_restart")
+    workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
+    result = simulate(workload, cfg)
+    return [(r.first_token, r.finish) for r in result.requests]
+
+
+def test_the_sim_engine_steps_with_the_simulators_formula() -> None:
+    # One class, so the two cannot drift apart: the engine's step cost is the cost model's.
+    assert StepCost is StepCoefficients
+    model = sim_model("sim-small")
+    cost = sim_engine_cost(model, SCALE)
+    scheduler = Scheduler(0, model.cost, model.limits)
+    scheduler.add(SimRequest("a", [65] * 700, 4, lambda _: None))
+    duration, _ = scheduler.begin_step()
+    assert duration * SCALE == pytest.approx(cost.step_time(512, 0, 0), rel=1e-12)
+    assert cost.coefficients.a == pytest.approx(model.cost.a * SCALE, rel=1e-12)
+
+
+def test_one_request_takes_the_same_time_in_the_engine_and_the_simulator() -> None:
+    engine = engine_times([(0.0, 1100, 40)])
+    simulated = simulator_times([(0.0, 1100, 40)])
+    (e_first, e_last), (s_first, s_last) = engine[0], simulated[0]
+    # The engine charges a request's last prefill step one decoding sequence more
+    # (d + e x context, ~0.2 ms x scale of ~300 ms): the same within 1%.
+    assert s_first == pytest.approx(e_first, rel=0.01)
+    assert s_last == pytest.approx(e_last, rel=0.01)
+
+
+def test_a_trace_on_one_engine_gives_the_same_mean_first_and_last_tokens() -> None:
+    requests = [(r.at, len(r.prompt), r.max_tokens)
+                for r in trace(3, 20.0, 2.0, (300, 1400), (20, 80))]
+    assert len(requests) > 20
+    engine = engine_times(requests)
+    simulated = simulator_times(requests)
+    # The engine's last prefill step of a request costs one decoding sequence more, which
+    # shifts its step grid by a few ms: an arrival can then join one step later in one of
+    # them and a prefill step (~120 ms) falls before or after another request's last token.
+    # Per request that is within two steps; the means agree closely.
+    for (e_first, e_last), (s_first, s_last) in zip(engine, simulated, strict=True):
+        assert abs(s_first - e_first) < 0.25 and abs(s_last - e_last) < 0.25
+    mean_ttft = [sum(first - at for (first, _), (at, _, _) in zip(times, requests, strict=True))
+                 / len(requests) for times in (engine, simulated)]
+    mean_e2e = [sum(last - at for (_, last), (at, _, _) in zip(times, requests, strict=True))
+                / len(requests) for times in (engine, simulated)]
+    assert mean_ttft[1] == pytest.approx(mean_ttft[0], rel=0.02)
+    assert mean_e2e[1] == pytest.approx(mean_e2e[0], rel=0.01)
+
+
+def test_counting_decode_tokens_against_the_budget_is_not_the_sim_engine() -> None:
+    # Negative control: vLLM's budget (decode tokens count against it) on a batch of
+    # long decodes delays a later prompt's prefill chunks; the sim engine's does not.
+    requests = [(0.0, 100, 400)] * 60 + [(1.0, 2000, 4)]
+    engine = engine_times(requests)[-1][0] - 1.0
+    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
+                               restore_bytes_per_s=5e8, process_start_s=1.0)
+    for decode_in_budget, agrees in ((False, True), (True, False)):
+        run = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none),
+                                   decode_in_budget=decode_in_budget), "stop_and_restart")
+        workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
+        last = simulate(workload, run).requests[-1]
+        ttft = last.first_token - last.arrival
+        assert (ttft == pytest.approx(engine, rel=0.02)) is agrees
+
+
+def test_the_trace_is_seeded() -> None:
+    assert trace(7, 30.0, 3.0, (600, 1400), (100, 200)) == trace(
+        7, 30.0, 3.0, (600, 1400), (100, 200))
+    assert trace(7, 30.0, 3.0, (600, 1400), (100, 200)) != trace(
+        8, 30.0, 3.0, (600, 1400), (100, 200))
+
+
+def test_the_local_cluster_config_is_the_sim_engines() -> None:
+    model = sim_model("sim-small")
+    cfg = local_cluster_config("sim-small", 4.0, 4, fault_at_s=30.0,
+                               restore_bytes_per_s=5e8, process_start_s=1.5)
+    assert cfg.chunk_tokens == model.limits.prefill_chunk
+    assert cfg.max_batch == model.limits.max_batch
+    assert cfg.kv_capacity_tokens == model.limits.kv_blocks * 16
+    assert cfg.reload_s == pytest.approx(1.5 + model.init_s * 4.0)
+    assert cfg.cluster_cost().model.kv_bytes_per_token == model.kv_bytes_per_token
+    assert cfg.fault.kind is FaultKind.worker and cfg.fault.at_s == 30.0
+    with pytest.raises(ValueError, match="time scale"):
+        sim_engine_cost(model, 0.0)
+
+
+def test_the_step_clock_keeps_the_engines_own_work_inside_the_modelled_step() -> None:
+    clock = StepClock()
+    assert clock.begin(10.0, 0.1) == pytest.approx(0.1)  # from idle: starts now
+    # 20 ms of the engine's own work after the step: the next one still ends at 10.2.
+    assert clock.begin(10.12, 0.1) == pytest.approx(0.08)
+    assert clock.end == pytest.approx(10.2)
+    assert clock.late_s == 0.0
+    # More than a step behind: the clock restarts from now and counts what it gave up.
+    assert clock.begin(10.5, 0.1) == 0.0
+    assert clock.end == pytest.approx(10.5)
+    assert clock.late_s == pytest.approx(0.2)
+    assert clock.modelled_s == pytest.approx(0.3)
+    clock.idle()  # no work: the next step starts when it is asked for
+    assert clock.begin(20.0, 0.1) == pytest.approx(0.1)
+    assert clock.late_s == pytest.approx(0.2)
+
+
+def test_the_serving_overhead_delays_each_request_before_the_scheduler() -> None:
+    requests = [(0.0, 1100, 40), (5.0, 700, 10)]
+    plain = simulator_times(requests)
+    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
+                               restore_bytes_per_s=5e8, process_start_s=1.0,
+                               request_overhead_s=0.05)
+    cfg = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none)), "stop_and_restart")
+    result = simulate(Workload(*(list(c) for c in zip(*requests, strict=True))), cfg)
+    for r, (first, last) in zip(result.requests, plain, strict=True):
+        assert r.first_token == pytest.approx(first + 0.05)
+        assert r.finish == pytest.approx(last + 0.05)
+    with pytest.raises(ValueError, match="request_overhead_s"):
+        replace(cfg, request_overhead_s=-1.0)
