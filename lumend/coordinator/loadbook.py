@@ -458,21 +458,23 @@ class LoadBook:
         nodes, hb, held, unreported, queue = (cols.nodes, cols.hb_bytes, cols.held,
                                               cols.unreported, cols.queue)
         home = nodes[serving]
-        best = (math.inf, len(nodes))  # above every pair
-        best_bytes = 0
-        for pair in order:
-            if pair > best:
+        # The best (value, index) so far, compared as that pair; above every pair at first.
+        best, best_i, best_bytes = math.inf, len(nodes), 0
+        for key, i in order:
+            if key > best or (key == best and i > best_i):
                 break
-            i = pair[1]
             if nodes[i] == home:
                 continue
-            ckpt = max(hb[i], held[i] + (unreported[i] + column[i]) * unit)
-            candidate = (alpha * ckpt + beta * queue[i], i)
-            if candidate < best:
-                best, best_bytes = candidate, ckpt
-        if best[0] == math.inf or best_bytes + 1.0 > cols.budget[best[1]]:
+            ckpt = held[i] + (unreported[i] + column[i]) * unit
+            beat = hb[i]
+            if beat > ckpt:  # max(heartbeat bytes, ...), as holders_table
+                ckpt = beat
+            value = alpha * ckpt + beta * queue[i]
+            if value < best or (value == best and i < best_i):
+                best, best_i, best_bytes = value, i, ckpt
+        if best == math.inf or best_bytes + 1.0 > cols.budget[best_i]:
             return None
-        return best[1], best[0]
+        return best_i, best
 
     def _rank(self, cols: Columns, by_queue: bool) -> Ranking:
         """Build the ranking the admission (`by_queue` or by L_hat) or Algorithm 1 reads."""
