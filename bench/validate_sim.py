@@ -13,17 +13,19 @@ Both sides are measured by the same functions: mean TTFT and mean TPOT over ever
 request (TPOT per request: first to last token over its tokens - 1), the recovery time
 (`recovery_s`), the interrupted streams (real: the recovery decisions the gateways logged;
 simulated: the requests on the killed worker) and the failure-free TTFT (requests sent
-before the fault, after --warmup). What the cost model does not know is measured on the
-real cluster and given to the simulator, and the output says so: the restarted engine's
-process start (kill-to-serving minus the model's initialisation) and the serving overhead
-per request (a lone request's TTFT through a gateway minus the model's). Asserts nothing;
-prints the table, how far the sim engines fell behind their cost model, and the load
-average (2 shared cores: the real side's timing is the machine's too).
+after --warmup and at least 5 s before the fault). What the cost model does not know is
+measured on the real cluster and given to the simulator, and the output says so: the
+restarted engine's process start (kill-to-serving minus the model's initialisation) and
+the serving overhead per request (a lone request's TTFT through a gateway minus the
+model's). Asserts nothing; prints the table, how far the sim engines fell behind their
+cost model, and the load average (2 shared cores: the real side's timing is the
+machine's too).
 
     python bench/validate_sim.py [--model sim-medium] [--nodes 2] [--rate 2.5]
-        [--duration 120] [--fault-at 30] [--time-scale 8] [--policy lumen] [--save F.json]
+        [--duration 150] [--fault-at 45] [--warmup 20] [--time-scale 8] [--policy lumen]
+        [--save F.json]
 
-Needs the etcd binary. About 4 minutes with the defaults.
+Needs the etcd binary. About 4.5 minutes with the defaults.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from lumend.sim.workload import Workload
 VICTIM = "node-2-w0"
 MODELS = ("sim-medium", "sim-small")  # the same step costs; sim-medium restarts in 6 s x scale
 POLICIES = ("lumen", "fixed_checkpoint", "stop_and_restart")
+UNTOUCHED_BEFORE_FAULT_S = 5.0
 RECOVERY_WINDOW_S, RECOVERY_STEP_S, RECOVERY_TOLERANCE = 10.0, 0.5, 0.2
 PROBES = 10  # lone requests per path for the idle TTFT
 PROBE_TOKENS = 1000  # their prompt (a probe prefix adds a few)
@@ -100,12 +103,20 @@ class Side:
     back_after_s: float | None
 
 
+def failure_free_ttft(served: Sequence[Served], fault: float, warmup: float) -> float:
+    """Mean TTFT of the requests sent after the warm-up and well before the fault (a request
+    sent just before it can still be waiting on the killed engine)."""
+    return statistics.fmean(s.ttft for s in served
+                            if warmup <= s.sent < fault - UNTOUCHED_BEFORE_FAULT_S)
+
+
 def recovery_s(served: Sequence[Served], fault: float, warmup: float) -> float | None:
     """Seconds from the fault until TTFT is back to stay: the simulator's rule (the level
-    before the fault, TTFT over windows of arrivals, back when within 20% above it) at the
-    local run's scale, 10 s windows sliding by 0.5 s, recovered at the first window after
-    the last one above the level; 0 if none is, None if the trace ends above it."""
-    level = statistics.fmean(s.ttft for s in served if warmup <= s.sent < fault)
+    before the fault, `failure_free_ttft`; TTFT over windows of arrivals, back when within
+    20% above the level) at the local run's scale: 10 s windows sliding by 0.5 s,
+    recovered at the first window after the last one above the level; 0 if none is,
+    None if the trace ends above it."""
+    level = failure_free_ttft(served, fault, warmup)
     end = max(s.sent for s in served)
     last_high: float | None = None
     t = fault
@@ -124,14 +135,13 @@ def recovery_s(served: Sequence[Served], fault: float, warmup: float) -> float |
 def measure(served: Sequence[Served], fault: float, warmup: float,
             back_after: float | None, interrupted: int | None = None) -> Side:
     tpots = [t for s in served if (t := s.tpot) is not None]
-    before = [s.ttft for s in served if warmup <= s.sent < fault]
     return Side(
         ttft_s=statistics.fmean(s.ttft for s in served),
         tpot_s=statistics.fmean(tpots),
         recovery_s=recovery_s(served, fault, warmup),
         interrupted=(sum(s.interrupted for s in served) if interrupted is None
                      else interrupted),
-        failure_free_ttft_s=statistics.fmean(before),
+        failure_free_ttft_s=failure_free_ttft(served, fault, warmup),
         completed=len(served), back_after_s=back_after)
 
 
@@ -315,11 +325,12 @@ def main() -> None:
                         help="the engines' sim model")
     parser.add_argument("--nodes", type=int, default=2,
                         help="lumend nodes, one sim worker each (node-2's engine is killed)")
-    parser.add_argument("--duration", type=float, default=120.0, help="trace length, s")
+    parser.add_argument("--duration", type=float, default=150.0, help="trace length, s")
     parser.add_argument("--rate", type=float, default=2.5, help="arrivals per second, all")
-    parser.add_argument("--fault-at", type=float, default=30.0, help="s into the trace")
-    parser.add_argument("--warmup", type=float, default=4.0,
-                        help="requests sent before this are left out of the pre-fault level")
+    parser.add_argument("--fault-at", type=float, default=45.0, help="s into the trace")
+    parser.add_argument("--warmup", type=float, default=20.0,
+                        help="requests sent before this (about one request's lifetime: the "
+                        "batches fill up) are left out of the pre-fault level")
     parser.add_argument("--prompt", type=int, nargs=2, default=(600, 1400),
                         metavar=("MIN", "MAX"), help="prompt length range, tokens")
     parser.add_argument("--output", type=int, nargs=2, default=(100, 200),

@@ -63,6 +63,10 @@ class SimConfig:
     decode_in_budget: bool = True
     max_batch: int = 256
     kv_capacity_tokens: int | None = None  # None: from GPU memory and model size
+    # vLLM: a step's new tokens need free KV, else the newest sequence is preempted and
+    # recomputed. False: the sim engine's rule: a prompt is admitted when it fits in the free
+    # KV, running sequences then grow past the pool and nobody is preempted.
+    kv_preemption: bool = True
     block_tokens: int = 16
     # Serving overhead before the scheduler sees a request (API server, tokenization, the
     # gateway's admission): 0 in the GPU scenarios; the local-cluster validation measures it.

@@ -308,6 +308,7 @@ class Simulation:
         self.ck_bw = cfg.link_bytes_per_s
         self.chunk_tokens, self.max_batch = cfg.chunk_tokens, cfg.max_batch
         self.decode_in_budget = cfg.decode_in_budget
+        self.kv_preemption = cfg.kv_preemption
         # Eq. 4 weights, for _touch's inline L_hat (tests check it against policy.loads).
         self.alpha, self.beta = self.pcfg.alpha, self.pcfg.beta
 
@@ -528,7 +529,7 @@ class Simulation:
         gain = w.gain
         budget = self.chunk_tokens - nrun if self.decode_in_budget else self.chunk_tokens
         seqs = nrun
-        free = w.kv_cap - w.kv_used - nrun * gain
+        free = w.kv_cap - w.kv_used - (nrun * gain if self.kv_preemption else 0.0)
         chunks: list[tuple[Req, int]] = []
         prefill = 0
         load = 0.0
@@ -578,14 +579,15 @@ class Simulation:
             w.state = IDLE
             return
         growth = nrun * gain
-        mem_steps = int((w.kv_cap - w.kv_used) / growth)
-        if mem_steps < 1:
-            self._preempt(w)
-            self._plan(w, now)
-            return
         n = w.running[0][0] - w.steps
-        if n > mem_steps:
-            n = mem_steps
+        if self.kv_preemption:
+            mem_steps = int((w.kv_cap - w.kv_used) / growth)
+            if mem_steps < 1:
+                self._preempt(w)
+                self._plan(w, now)
+                return
+            if n > mem_steps:
+                n = mem_steps
         w.run_n = n if n > 1 else 1
         w.run_base = (self.a + self.d * nrun + self.e * w.ctx_sum) / w.speed
         if w.assisted_by >= 0:

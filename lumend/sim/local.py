@@ -1,8 +1,9 @@
 """The simulator set up as the local cluster's sim engines: the same step formula and
 coefficients (`lumend.engine.sim_models`), times the engines' `--time-scale`, the same batch
-and KV limits, and the same way back after a crash (weights mapped from the node's GMS
-server, then initialisation). Used by `bench/validate_sim.py` to run one trace and one fault
-both on a real local cluster and here.
+and KV limits and KV rule (no preemption: the sim engine admits a prompt that fits and lets
+running sequences grow past its pool), and the same way back after a crash (weights mapped
+from the node's GMS server, then initialisation). Used by `bench/validate_sim.py` to run
+one trace and one fault both on a real local cluster and here.
 
 What is *not* the cost model stays a parameter: the restore bandwidth from a holder over
 loopback (the engines move real bytes, not time-scaled ones) and the process start of a
@@ -63,6 +64,7 @@ def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
         cost=sim_engine_cost(model, time_scale),
         chunk_tokens=limits.prefill_chunk, decode_in_budget=False,
         max_batch=limits.max_batch, kv_capacity_tokens=limits.kv_blocks * BLOCK_SIZE,
+        kv_preemption=False,
         block_tokens=BLOCK_SIZE, budget_bytes=budget_bytes,
         request_overhead_s=request_overhead_s,
         restore_bytes_per_s=restore_bytes_per_s, restore_async=True,

@@ -164,3 +164,22 @@ def test_the_serving_overhead_delays_each_request_before_the_scheduler() -> None
         assert r.finish == pytest.approx(last + 0.05)
     with pytest.raises(ValueError, match="request_overhead_s"):
         replace(cfg, request_overhead_s=-1.0)
+
+
+def test_under_kv_pressure_the_simulator_follows_the_engines_kv_rule() -> None:
+    # 40 requests of 1400 + 600 tokens at once: 80 000 tokens of context on a 65 536-token
+    # pool. The sim engine admits a prompt that fits and lets running sequences grow past
+    # the pool; vLLM's rule (negative control) preempts and recomputes, and takes longer.
+    requests = [(0.01 * i, 1400, 600) for i in range(40)]
+    engine = engine_times(requests)
+    engine_mean = sum(last for _, last in engine) / len(engine)
+    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
+                               restore_bytes_per_s=5e8, process_start_s=1.0)
+    workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
+    for kv_preemption, agrees in ((False, True), (True, False)):
+        run = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none),
+                                   kv_preemption=kv_preemption), "stop_and_restart")
+        result = simulate(workload, run)
+        mean = sum(r.finish for r in result.requests) / len(result.requests)
+        assert (mean == pytest.approx(engine_mean, rel=0.02)) is agrees
+        assert (result.preemptions == 0) is agrees
