@@ -68,7 +68,12 @@ VICTIM = "node-2-w0"
 MODELS = ("sim-medium", "sim-small")  # the same step costs; sim-medium restarts in 6 s x scale
 POLICIES = ("lumen", "fixed_checkpoint", "stop_and_restart")
 UNTOUCHED_BEFORE_FAULT_S = 5.0
-RECOVERY_WINDOW_S, RECOVERY_STEP_S, RECOVERY_TOLERANCE = 10.0, 0.5, 0.2
+RECOVERY_WINDOW_S, RECOVERY_STEP_S = 10.0, 0.5
+# Back within 50% of the level (the table's recovery time) and, as the simulator's rule
+# has it, within 20%: a 10 s window holds ~25 requests here; its mean TTFT was 0.77-1.16x
+# the level before the fault and up to 1.43x after the worker was back (one burst), so at
+# 20% noise decides the answer.
+RECOVERY_TOLERANCES = (0.5, 0.2)
 PROBES = 10  # lone requests per path for the idle TTFT
 PROBE_TOKENS = 1000  # their prompt (a probe prefix adds a few)
 
@@ -96,7 +101,8 @@ class Served:
 class Side:
     ttft_s: float
     tpot_s: float
-    recovery_s: float | None
+    recovery_s: float | None  # back within the first of RECOVERY_TOLERANCES
+    recovery_strict_s: float | None  # ... the second
     interrupted: int
     failure_free_ttft_s: float
     completed: int
@@ -110,10 +116,11 @@ def failure_free_ttft(served: Sequence[Served], fault: float, warmup: float) -> 
                             if warmup <= s.sent < fault - UNTOUCHED_BEFORE_FAULT_S)
 
 
-def recovery_s(served: Sequence[Served], fault: float, warmup: float) -> float | None:
+def recovery_s(served: Sequence[Served], fault: float, warmup: float,
+               tolerance: float) -> float | None:
     """Seconds from the fault until TTFT is back to stay: the simulator's rule (the level
     before the fault, `failure_free_ttft`; TTFT over windows of arrivals, back when within
-    20% above the level) at the local run's scale: 10 s windows sliding by 0.5 s,
+    `tolerance` above the level) at the local run's scale: 10 s windows sliding by 0.5 s,
     recovered at the first window after the last one above the level; 0 if none is,
     None if the trace ends above it."""
     level = failure_free_ttft(served, fault, warmup)
@@ -122,7 +129,7 @@ def recovery_s(served: Sequence[Served], fault: float, warmup: float) -> float |
     t = fault
     while t + RECOVERY_WINDOW_S <= end:
         window = [s.ttft for s in served if t <= s.sent < t + RECOVERY_WINDOW_S]
-        if window and statistics.fmean(window) > (1 + RECOVERY_TOLERANCE) * level:
+        if window and statistics.fmean(window) > (1 + tolerance) * level:
             last_high = t
         t += RECOVERY_STEP_S
     if last_high is None:
@@ -138,7 +145,8 @@ def measure(served: Sequence[Served], fault: float, warmup: float,
     return Side(
         ttft_s=statistics.fmean(s.ttft for s in served),
         tpot_s=statistics.fmean(tpots),
-        recovery_s=recovery_s(served, fault, warmup),
+        recovery_s=recovery_s(served, fault, warmup, RECOVERY_TOLERANCES[0]),
+        recovery_strict_s=recovery_s(served, fault, warmup, RECOVERY_TOLERANCES[1]),
         interrupted=(sum(s.interrupted for s in served) if interrupted is None
                      else interrupted),
         failure_free_ttft_s=failure_free_ttft(served, fault, warmup),
@@ -300,7 +308,10 @@ def table(real: Side, sim: Side) -> str:
     rows: list[tuple[str, float | None, float | None, str]] = [
         ("mean TTFT", real.ttft_s, sim.ttft_s, "s"),
         ("mean TPOT", real.tpot_s, sim.tpot_s, "s"),
-        ("recovery time", real.recovery_s, sim.recovery_s, "s"),
+        (f"recovery time ({RECOVERY_TOLERANCES[0]:.0%})", real.recovery_s, sim.recovery_s,
+         "s"),
+        (f"recovery time ({RECOVERY_TOLERANCES[1]:.0%})", real.recovery_strict_s,
+         sim.recovery_strict_s, "s"),
         ("requests interrupted", real.interrupted, sim.interrupted, ""),
         ("failure-free TTFT", real.failure_free_ttft_s, sim.failure_free_ttft_s, "s"),
         ("worker back after", real.back_after_s, sim.back_after_s, "s"),
