@@ -13,6 +13,9 @@ from __future__ import annotations
 # checkpoint plan, and those of them whose checkpoint has lost no block so far.
 CKPT_REQUESTS_RUNNING = "lumen_ckpt_requests_running"
 CKPT_REQUESTS_COMPLETE = "lumen_ckpt_requests_complete"
+# Control requests an engine's gate refused (vLLM engines), by reason: remote, no_token,
+# bad_token (prometheus_client appends `_total`).
+ENGINE_CONTROL_REFUSED = "lumen_engine_control_refused"
 
 
 def ckpt_counter(key: str) -> str:

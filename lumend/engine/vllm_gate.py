@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lumend.engine.engine_auth import TOKEN_ENV, TOKEN_HEADER, Refusal, control_refusal
+from lumend.engine.metric_names import ENGINE_CONTROL_REFUSED, deprecated
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 
@@ -127,20 +128,25 @@ class _Gate:
 
 class _Refusals:
     """Refused control requests: counted by reason (here and in vLLM's /metrics as
-    `lumen:engine_control_refused_total`), logged at most once per reason per interval."""
+    `lumen_engine_control_refused_total`, and under the 0.1 name
+    `lumen:engine_control_refused_total` until the next release), logged at most once per
+    reason per interval."""
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
         self._last_logged: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
-        self._metric: Any = None
+        self._metrics: list[Any] = []
         try:
             from prometheus_client import Counter
 
-            self._metric = Counter("lumen:engine_control_refused",
-                                   "Control requests this engine's gate refused.", ["reason"])
+            self._metrics = [
+                Counter(ENGINE_CONTROL_REFUSED, "Control requests this engine's gate "
+                        "refused.", ["reason"]),
+                Counter(deprecated(ENGINE_CONTROL_REFUSED),
+                        f"Deprecated: use {ENGINE_CONTROL_REFUSED}_total.", ["reason"])]
         except (ImportError, ValueError):  # no client, or registered twice in one process
-            pass
+            self._metrics = []
 
     def counts(self) -> dict[str, int]:
         return dict(self._counts)
@@ -148,8 +154,8 @@ class _Refusals:
     def record(self, refusal: Refusal, client: str) -> None:
         reason = refusal.reason
         self._counts[reason] = self._counts.get(reason, 0) + 1
-        if self._metric is not None:
-            self._metric.labels(reason).inc()
+        for metric in self._metrics:
+            metric.labels(reason).inc()
         now = time.monotonic()
         if now - self._last_logged.get(reason, -REFUSAL_LOG_INTERVAL_S) < \
                 REFUSAL_LOG_INTERVAL_S:

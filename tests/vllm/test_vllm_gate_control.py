@@ -161,6 +161,8 @@ def test_control_paths_refused_from_another_address_completions_served(
     assert namespace.call("GET", remote + "/lumen/engine")[0] == 200
     status, metrics = namespace.call("GET", remote + "/metrics")
     assert status == 200
+    assert 'lumen_engine_control_refused_total{reason="remote"} 5.0' in metrics
+    # The 0.1 name, a deprecated alias for one release, with the same value.
     assert 'lumen:engine_control_refused_total{reason="remote"} 5.0' in metrics
 
     # From loopback: without the token refused, with it vLLM's dev endpoint answers.
