@@ -47,6 +47,7 @@ from lumend.coordinator.policy import (
     LoadSnapshot,
     Mode,
     PolicyConfig,
+    l_hat,
     load_hat,
     place_checkpoint,
     queued_prefill_s,
@@ -485,9 +486,8 @@ class LoadBook:
             return by_count
         rank = cols.holder_rank
         if rank is None:
-            alpha, beta = cfg.alpha, cfg.beta
             # alpha * float(bytes) is alpha * bytes: L_hat as `policy.loads` computes it
-            rank = cols.holder_rank = Ranking(lambda i: alpha * ckpt[i] + beta * queue[i],
+            rank = cols.holder_rank = Ranking(lambda i: l_hat(ckpt[i], queue[i], cfg),
                                               members)
         if cfg.admission != "queue":
             cols.admit_rank = rank

@@ -205,8 +205,13 @@ def queued_prefill_s(queue: int, running: int, cfg: PolicyConfig) -> float:
     return cfg.beta * max(0, queue - running)
 
 
+def l_hat(ckpt_bytes: float, queue: float, cfg: PolicyConfig) -> float:
+    """L_hat of one worker from its checkpoint bytes held and its queue."""
+    return cfg.alpha * ckpt_bytes + cfg.beta * queue
+
+
 def load_hat(snapshot: LoadSnapshot, worker: int, cfg: PolicyConfig) -> float:
-    return cfg.alpha * snapshot.ckpt_bytes[worker] + cfg.beta * snapshot.queue[worker]
+    return l_hat(snapshot.ckpt_bytes[worker], snapshot.queue[worker], cfg)
 
 
 def loads(snapshot: LoadSnapshot, cfg: PolicyConfig) -> list[float]:

@@ -60,6 +60,7 @@ from lumend.coordinator.policy import (
     Mode,
     assist_target,
     completion_estimates,
+    l_hat,
 )
 from lumend.coordinator.policy import recover as policy_recover
 from lumend.coordinator.settings import policy_config
@@ -169,8 +170,8 @@ class CoordinatorService:
         if cfg.admission == "queue":  # cost-aware: checkpoint bytes held do not count
             reason = f"admitted to {worker.name} (queue {cols.queue[index]}, the shortest)"
         else:
-            lhat = cfg.alpha * cols.ckpt[index] + cfg.beta * cols.queue[index]
-            reason = f"admitted to {worker.name} (L_hat {lhat:.3g}, the lowest)"
+            reason = (f"admitted to {worker.name} (L_hat "
+                      f"{l_hat(cols.ckpt[index], cols.queue[index], cfg):.3g}, the lowest)")
         # The size is not known up front; one byte asks for a holder with any budget at all.
         placed = book.holder(cols, index)
         ckpt = None

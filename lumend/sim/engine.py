@@ -307,7 +307,6 @@ class Simulation:
         self.draft_accepted = 0
         self.ck_bw = cfg.link_bytes_per_s
         self.chunk_tokens, self.max_batch = cfg.chunk_tokens, cfg.max_batch
-        self.decode_in_budget = cfg.decode_in_budget
         self.kv_preemption = cfg.kv_preemption
         # Eq. 4 weights, for _touch's inline L_hat (tests check it against policy.loads).
         self.alpha, self.beta = self.pcfg.alpha, self.pcfg.beta
@@ -527,7 +526,7 @@ class Simulation:
             self._apply_rate(w)
         nrun = len(w.running)
         gain = w.gain
-        budget = self.chunk_tokens - nrun if self.decode_in_budget else self.chunk_tokens
+        budget = self.cfg.prefill_budget(nrun)
         seqs = nrun
         free = w.kv_cap - w.kv_used - (nrun * gain if self.kv_preemption else 0.0)
         chunks: list[tuple[Req, int]] = []
