@@ -1,4 +1,4 @@
-"""A month of heartbeats compressed (marked `slow_chaos`: about 15 minutes, so CI runs the
+"""A month of heartbeats compressed (marked `slow_chaos`: about 16 minutes, so CI runs the
 ten-hour soak of tests/integration/test_etcd_heartbeats.py instead and this one runs with
 LUMEN_SLOW_CHAOS=1). Same soak: 4 nodes x 16 workers whose records change every compressed
 minute, the coordinator compacting every 5 minutes, real etcd with its own auto-compaction
@@ -21,7 +21,7 @@ DAYS = 30
 STEPS = int(DAYS * 24 * 3600 / STEP_S)
 
 
-@pytest.mark.timeout(3600)  # about 15 minutes here: 43 200 compressed minutes
+@pytest.mark.timeout(3600)  # about 16 minutes here: 43 200 compressed minutes
 def test_a_compressed_month_of_heartbeats_keeps_etcds_database_at_its_first_days_size(
         tmp_path: Path) -> None:
     etcd = EtcdCluster(tmp_path, auto_compaction_retention=None).start()
