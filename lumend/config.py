@@ -59,6 +59,32 @@ _SIZE_HINT = (
 )
 
 
+SERVED_MODEL_NAME = "--served-model-name"
+
+
+def served_model_names(args: list[str]) -> tuple[str, ...]:
+    """The names an engine's args give with --served-model-name NAME [NAME ...] or
+    --served-model-name=NAME, read as vLLM's parser reads them: the names run up to the
+    next option, the last occurrence wins, and --served_model_name is the same option.
+    () when not given; ValueError when given without a name."""
+    names: tuple[str, ...] = ()
+    for i, arg in enumerate(args):
+        option, equals, value = arg.partition("=")
+        if option.replace("_", "-") != SERVED_MODEL_NAME:
+            continue
+        if equals:
+            names = (value,)
+        else:
+            following = args[i + 1:]
+            end = next((j for j, a in enumerate(following) if a.startswith("-")),
+                       len(following))
+            names = tuple(following[:end])
+        if not names or not all(n.strip() for n in names):
+            raise ValueError(f"{arg} needs a name after it, the one clients send, e.g. "
+                             f'["{SERVED_MODEL_NAME}", "qwen3-32b"]')
+    return names
+
+
 def parse_size(text: str | int) -> int:
     """A byte count from "20GiB", "1.5GB", "512" or an int; ValueError says what is wrong."""
     if isinstance(text, bool):
@@ -266,6 +292,20 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def engine_ports(self) -> range:
         """The ports of this worker's engines: the active one and its shadows."""
         return range(self.port, self.port + self.shadows + 1)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names its engines serve under: the --served-model-name of its args, else its
+        model (the engine loads `model` either way)."""
+        return served_model_names(self.args) or (self.model,)
+
+    @property
+    def served_name(self) -> str:
+        """The name the cluster knows this worker's model by: what clients send, what the
+        gateway routes by, lists in /v1/models and sends on to the engine, and what its
+        worker record, checkpoints and drafts are matched by. vLLM serves every name of
+        --served-model-name but reports the first; LUMEN routes the first only."""
+        return self.served_names[0]
 
 
 class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -886,6 +926,9 @@ class _Worker:
     name: str | None
     gpus: list[int]
     ports: range | None
+    model: str | None
+    served: str | None  # the name it serves under (None: its model or args are bad)
+    served_key: str  # where that name comes from: "args" (--served-model-name) or "model"
 
     def __str__(self) -> str:
         return self.table.path if self.name is None else f'{self.table.path} "{self.name}"'
@@ -894,6 +937,7 @@ class _Worker:
 def _check_workers(root: _Table, listen_ports: list[tuple[str, int]]) -> list[dict[str, Any]]:
     workers = [_check_worker(table) for table in root.tables("workers", _WORKER_KEYS)]
     _check_unique_names(workers)
+    _check_served_names(workers)
     _check_shared_gpus(workers)
     _check_port_ranges(workers, listen_ports)
     return [worker.table.values for worker in workers]
@@ -905,6 +949,7 @@ def _check_worker(table: _Table) -> _Worker:
     gpus = _check_gpus(table)
     engine = table.choice("engine", ENGINES, required=True)
     shadows = table.integer("shadows", "1", 0, 4, default=1)
+    good_model: str | None = None
     for key, example, required in (
         ("model", '"/models/Qwen3-32B"', True),
         ("draft_model", '"/models/Qwen3-1.7B"', False),
@@ -920,27 +965,28 @@ def _check_worker(table: _Table) -> _Worker:
             drafts = ", ".join(f'"{d}"' for d in SIM_DRAFTS)
             table.problem(key, model, f"a sim worker's draft_model names a sim drafter: "
                           f"{drafts} (or leave it out: no draft-assist)")
+        elif key == "model":
+            good_model = model
     args = table.items("args", '["--tensor-parallel-size", "4"]', "string", _is_str) or []
-    _check_served_name(table, args)
+    served, served_key = _check_served_name(table, args, good_model)
     if engine == "vllm" and shadows and gpus and len(gpus) > 1:
         _check_shared_gpu_fraction(table, args, shadows)
     _check_engine_budget_and_assist(table, engine, args)
     port = table.integer("port", "8100", 1, 65535, required=True)
-    return _Worker(table, name, gpus, _engine_ports(table, port, shadows))
+    return _Worker(table, name, gpus, _engine_ports(table, port, shadows), good_model,
+                   served, served_key)
 
 
-def _check_served_name(table: _Table, args: list[str]) -> None:
-    """An engine must serve under the worker's `model`: the gateway routes a request to the
-    workers whose model is the request's `model`, lists those names in /v1/models and sends
-    them on to the engine, and checkpoints and drafts are matched by the same name. A
-    --served-model-name would make the engine refuse every request the gateway sends it."""
-    own = next((a for a in args if a == "--served-model-name"
-                or a.startswith("--served-model-name=")), None)
-    if own is not None:
-        table.problem("args", args, f"{own} is not supported: LUMEN routes requests by the "
-                      "worker's model, and the engine must serve under that name; remove it "
-                      "from args and set the worker's model to the name clients should send "
-                      "(the engine loads it: a Hugging Face id, or a directory of that path)")
+def _check_served_name(table: _Table, args: list[str],
+                       model: str | None) -> tuple[str | None, str]:
+    """The name the worker serves under (WorkerConfig.served_name) and the key it comes
+    from; None when its args give --served-model-name without a name or its model is bad."""
+    try:
+        names = served_model_names(args)
+    except ValueError as exc:
+        table.problem("args", args, str(exc))
+        return None, "args"
+    return (names[0], "args") if names else (model, "model")
 
 
 def gpu_memory_utilization(args: list[str]) -> float | None:
@@ -1092,6 +1138,39 @@ def _check_unique_names(workers: list[_Worker]) -> None:
         if owner is not worker:
             fix = f"already used by {owner.table.path}; give each worker its own name"
             worker.table.problem("name", worker.name, fix)
+
+
+def _check_served_names(workers: list[_Worker]) -> None:
+    """Workers that serve under one name must load one model: the gateway routes a request
+    for that name to any of them, and checkpoints and drafts move between them."""
+    first: dict[str, _Worker] = {}
+    for worker in workers:
+        if worker.served is None or worker.model is None:
+            continue
+        owner = first.setdefault(worker.served, worker)
+        if owner is worker or owner.model == worker.model:
+            continue
+        value = worker.table.values.get(worker.served_key, worker.served)
+        worker.table.problem(worker.served_key, value, (
+            f"{worker} serves as {worker.served!r} like {owner}, but loads "
+            f"{worker.model!r}, not {owner.model!r}: the gateway would route requests for "
+            f"{worker.served!r} to both as one model; give one of them another "
+            f"--served-model-name in its args, or load the same model in both"))
+
+
+def served_name_warnings(config: NodeConfig) -> list[str]:
+    """For `lumend check-config`: workers whose --served-model-name gives more than one
+    name. The engines serve them all, but the cluster knows a worker by its first only."""
+    found = []
+    for worker in config.workers:
+        first, *more = worker.served_names
+        if more:
+            others = ", ".join(repr(n) for n in more)
+            found.append(f"workers {worker.name!r}: --served-model-name gives "
+                         f"{len(worker.served_names)} names; LUMEN routes, lists in "
+                         f"/v1/models and matches checkpoints by the first, {first!r}, only: "
+                         f"the gateway answers 404 to requests for {others}; give one name")
+    return found
 
 
 def _check_shared_gpus(workers: list[_Worker]) -> None:
