@@ -9,6 +9,7 @@ shape. The rules that matter to a caller, as vLLM has them:
   prompt + limit beyond the context is cut to what fits (finish_reason "length"); a prompt
   filling the whole context is a 400 ("max_tokens must be at least 1, got 0").
 - `temperature` absent is greedy here (vLLM's default is 1.0: send 0 to vLLM for greedy).
+- `model` naming none of the served names is a 404 (`unknown_model`); absent, it is served.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ class BadRequest(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": "BadRequestError",
                           "param": self.param, "code": 400}}
+
+
+def unknown_model(body: Any, served: tuple[str, ...]) -> dict[str, Any] | None:
+    """vLLM's 404 body for a request whose `model` is none of the engine's served names
+    (--served-model-name, else the model), or None: it is one of them, or the request
+    names none (vLLM serves that too)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is None or model == "" or model in served:
+        return None
+    return {"error": {"message": f"The model `{model}` does not exist. Valid aliases: "
+                      f"{', '.join(served)}.", "type": "NotFoundError", "param": "model",
+                      "code": 404}}
 
 
 @dataclass

@@ -18,6 +18,10 @@ take them from its environment, or from a worker's `args`):
                                                       0: only stop_token_ids end early)
   --max-model-len L         LUMEN_SIM_MAX_MODEL_LEN  (131072, a 128k context: existing
                                                       callers ask for up to 100k tokens)
+
+As vLLM, `--served-model-name NAME [NAME ...]` gives the names it serves under (default: the
+preset's name): /v1/models lists them, responses and metrics carry the first, and a request
+naming none of them is a 404 (one without `model` is served).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from lumend.engine.sim_core import (
     TokenModel,
 )
 from lumend.engine.sim_models import MiB, SimModel, sim_model
-from lumend.engine.sim_openai import BadRequest, parse
+from lumend.engine.sim_openai import BadRequest, parse, unknown_model
 from lumend.engine.sim_output import RequestOutput, bad_request, dumps, stream
 from lumend.engine.sim_responses import Responses
 from lumend.engine.sim_tokenizer import VOCABULARIES, decode, vocabulary
@@ -80,6 +84,11 @@ class EngineOptions:
     tokens_per_chunk: int = 1
     eos_every: int = 0
     max_model_len: int = 131072
+    served_model_names: tuple[str, ...] = ()  # --served-model-name; () is the preset's name
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model.name,)
 
 
 class SimEngine:
@@ -338,9 +347,15 @@ def _error(status: int, message: str, kind: str) -> web.Response:
                              status=status)
 
 
+def _unknown_model(body: object, served: tuple[str, ...]) -> web.Response | None:
+    error = unknown_model(body, served)
+    return None if error is None else web.json_response(error, status=404)
+
+
 def build_app(engine: SimEngine) -> web.Application:
     routes = web.RouteTableDef()
     opts = engine.opts
+    served = opts.served_names
 
     @routes.get("/health")
     async def health(_: web.Request) -> web.Response:
@@ -377,7 +392,8 @@ def build_app(engine: SimEngine) -> web.Application:
     async def info(_: web.Request) -> web.Response:
         return web.json_response({
             "id": opts.engine_id, "state": engine.state, "pid": os.getpid(),
-            "model": opts.model.name, "weights_source": engine.weights_source,
+            "model": opts.model.name, "served_model_names": list(served),
+            "weights_source": engine.weights_source,
             "weights_seconds": engine.weights_seconds, "activated_at": engine.activated_at,
             "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
             "sleeping": engine.memory.sleeping, "sleep_level": engine.memory.level,
@@ -423,9 +439,9 @@ def build_app(engine: SimEngine) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         s = engine.scheduler
         lines = [
-            f'vllm:num_requests_running{{model_name="{opts.model.name}"}} {len(s.running)}',
-            f'vllm:num_requests_waiting{{model_name="{opts.model.name}"}} {len(s.waiting)}',
-            f'vllm:kv_cache_usage_perc{{model_name="{opts.model.name}"}} {s.kv_usage()}',
+            f'vllm:num_requests_running{{model_name="{served[0]}"}} {len(s.running)}',
+            f'vllm:num_requests_waiting{{model_name="{served[0]}"}} {len(s.waiting)}',
+            f'vllm:kv_cache_usage_perc{{model_name="{served[0]}"}} {s.kv_usage()}',
             f"lumen_sim_requests_total {engine.requests_total}",
             f"lumen_sim_refused_total {engine.refused_total}",
             f"lumen_sim_tokens_generated_total {s.tokens_generated}",
@@ -443,7 +459,7 @@ def build_app(engine: SimEngine) -> web.Application:
         complete = engine.checkpointer.count_complete(s.running, engine.saving)
         for name, value in ((CKPT_REQUESTS_RUNNING, len(s.running)),
                             (CKPT_REQUESTS_COMPLETE, complete)):
-            lines += [f'{n}{{model_name="{opts.model.name}"}} {value}'
+            lines += [f'{n}{{model_name="{served[0]}"}} {value}'
                       for n in (name, deprecated(name))]
         c = engine.checkpointer.counters
         lines += [
@@ -460,15 +476,17 @@ def build_app(engine: SimEngine) -> web.Application:
     async def models(_: web.Request) -> web.Response:
         created = int(engine.started_at)
         return web.json_response({"object": "list", "data": [{
-            "id": opts.model.name, "object": "model", "created": created,
+            "id": name, "object": "model", "created": created,
             "owned_by": "lumen-sim", "root": opts.model.name, "parent": None,
-            "max_model_len": opts.max_model_len, "permission": []}]})
+            "max_model_len": opts.max_model_len, "permission": []} for name in served]})
 
     @routes.post("/tokenize")
     async def tokenize(request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt, or chat messages rendered with the sim template."""
         try:
             body = await request.json()
+            if (unknown := _unknown_model(body, served)) is not None:
+                return unknown
             chat = isinstance(body, dict) and "messages" in body
             gen = parse({**body, "max_tokens": 1} if isinstance(body, dict) else body, chat,
                         engine.model.vocab, opts.max_model_len + 1)
@@ -484,6 +502,8 @@ def build_app(engine: SimEngine) -> web.Application:
     async def detokenize(request: web.Request) -> web.Response:
         try:
             body = await request.json()
+            if (unknown := _unknown_model(body, served)) is not None:
+                return unknown
             tokens = body["tokens"]
             if not all(isinstance(t, int) and 0 <= t < engine.model.vocab.size
                        for t in tokens):
@@ -499,7 +519,10 @@ def build_app(engine: SimEngine) -> web.Application:
             return _error(503, f"engine {opts.engine_id} is {state}, not active; "
                           "send the request to the worker's active engine", "unavailable")
         try:
-            gen = parse(await request.json(), chat, engine.model.vocab, opts.max_model_len)
+            body = await request.json()
+            if (unknown := _unknown_model(body, served)) is not None:
+                return unknown
+            gen = parse(body, chat, engine.model.vocab, opts.max_model_len)
         except json.JSONDecodeError as exc:
             return bad_request(BadRequest(f"the body is not JSON: {exc}"))
         except BadRequest as exc:
@@ -514,7 +537,7 @@ def build_app(engine: SimEngine) -> web.Application:
         sim_request, queue = engine.submit(gen.prompt, gen.max_tokens, restored=restored,
                                            plan=plan, request_id=request_id,
                                            sampling=gen.sampling)
-        responses = Responses(gen, engine.model, opts.seed, opts.model.name,
+        responses = Responses(gen, engine.model, opts.seed, served[0],
                               ("chatcmpl-" if chat else "cmpl-") + sim_request.id)
         output = RequestOutput(gen, engine.model, sim_request, queue)
         try:
@@ -607,6 +630,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="sim-small")
+    parser.add_argument("--served-model-name", nargs="+", default=[],
+                        help="the names it serves under, as vLLM's (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiplies every modelled duration (0.1 = ten times faster)")
@@ -629,6 +654,7 @@ def main() -> None:
             failover_lock=args.failover_lock, tokenizer=args.tokenizer,
             tokens_per_chunk=args.tokens_per_chunk, eos_every=args.eos_every,
             max_model_len=args.max_model_len,
+            served_model_names=tuple(args.served_model_name),
         )))
     except KeyFileError as exc:
         parser.exit(2, f"sim engine {args.engine_id}: {exc}\n")

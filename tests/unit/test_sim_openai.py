@@ -619,3 +619,47 @@ def test_continuous_usage_and_a_stop_string_kept_in_the_output(engines: Engines)
                                     "include_stop_str_in_output": True})["choices"][0]
     assert kept["text"] == full[:full.find(stop) + len(stop)]
     assert kept["stop_reason"] == stop
+
+
+# -- served model names -------------------------------------------------------------------
+
+
+def not_found(model: str, served: str) -> dict[str, Any]:
+    """vLLM 0.32's body for a model it does not serve."""
+    return {"error": {"message": f"The model `{model}` does not exist. Valid aliases: "
+                      f"{served}.", "type": "NotFoundError", "param": "model", "code": 404}}
+
+
+def test_a_request_for_a_model_the_engine_does_not_serve_is_vllms_404(
+        engines: Engines) -> None:
+    e = engines.byte
+    assert e.ok("/v1/completions", {"prompt": "x", "model": "sim-small"})["model"] == "sim-small"
+    e.ok("/v1/completions", {"prompt": "x"})  # no model: served, as by vLLM
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [65]})):
+        for stream in (False, True) if path.startswith("/v1") else (False,):
+            status, reply = e.call(path, {**body, "model": "gpt-9", "stream": stream})
+            assert (status, reply) == (404, not_found("gpt-9", "sim-small")), path
+
+
+def test_served_model_names_are_listed_answered_and_the_only_names_served(
+        tmp_path: Path) -> None:
+    e = start_engine(tmp_path, "named", "--served-model-name", "short", "alias")
+    try:
+        wait_active(e)
+        _, models = e.call("/v1/models")
+        assert [(m["id"], m["root"]) for m in models["data"]] == [
+            ("short", "sim-small"), ("alias", "sim-small")]
+        for name in ("short", "alias", None):
+            body = {"prompt": "x", "max_tokens": 3} | ({} if name is None else {"model": name})
+            assert e.ok("/v1/completions", body)["model"] == "short"  # vLLM: the first name
+            chunks = e.stream("/v1/completions", body)
+            assert {c["model"] for c in chunks} == {"short"}
+        # The model the engine loads is not a name it serves, as with vLLM.
+        status, reply = e.call("/v1/completions", {"prompt": "x", "model": "sim-small"})
+        assert (status, reply) == (404, not_found("sim-small", "short, alias"))
+        with urllib.request.urlopen(e.url + "/metrics", timeout=10) as r:
+            assert 'vllm:num_requests_running{model_name="short"}' in r.read().decode()
+    finally:
+        stop_process(e.proc)
