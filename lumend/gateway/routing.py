@@ -18,7 +18,7 @@ from lumend.cluster.view import ClusterView
 @dataclass(frozen=True)
 class Target:
     worker: str
-    model: str
+    model: str  # the worker's served name (its record's model), what its engines answer to
     urls: tuple[str, ...]  # the active engine first, then the others (a shadow may take over)
 
     @classmethod
