@@ -32,6 +32,15 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # a complete checkpoint. None: the engine does not say (coverage unknown, not 0).
     ckpt_running: int | None = None
     ckpt_complete: int | None = None
+    # Cost counters of the active engine since it started (cumulative; they go back to 0
+    # when it restarts), rounded to 8 significant bits so that their growth is not a write
+    # per heartbeat. None: the engine does not export them. The coordinator turns them into
+    # its cost estimates (lumend.coordinator.estimates): checkpoint bytes restored and the
+    # seconds those restores took; prompt tokens prefilled and the seconds prefills took.
+    restored_bytes: int | None = None
+    restore_s: float | None = None
+    prefill_tokens: int | None = None
+    prefill_s: float | None = None
 
 
 class CheckpointUsage(msgspec.Struct, frozen=True, kw_only=True):

@@ -47,6 +47,7 @@ from lumend.cluster.models import (
 )
 from lumend.cluster.store import Delete, Op, Put
 from lumend.cluster.view import ClusterView
+from lumend.coordinator.estimates import CostEstimates, estimate
 from lumend.coordinator.loadbook import (
     REQUEST_TTL_S,
     Admitted,
@@ -63,7 +64,7 @@ from lumend.coordinator.policy import (
     l_hat,
 )
 from lumend.coordinator.policy import recover as policy_recover
-from lumend.coordinator.settings import policy_config
+from lumend.coordinator.settings import in_force, policy_config
 from lumend.rpc.messages import (
     Admission,
     CheckpointProgress,
@@ -97,7 +98,12 @@ class CoordinatorService:
                  request_ttl_s: float = REQUEST_TTL_S) -> None:
         self.node = node
         self.epoch = epoch
-        self._view = view
+        self._read_view = view
+        # The cost figures measured from the latest view (lumend.coordinator.estimates), and
+        # that view with them in its settings: the one every decision reads.
+        self.costs: CostEstimates = estimate(())
+        self._costed_from: ClusterView | None = None
+        self._costed: ClusterView | None = None
         self.book = LoadBook(eligible, ttl_s=request_ttl_s)
         self.decisions: Counter[str] = Counter()  # admit, no_worker, resume, recompute, ...
         self._event_seq = 0
@@ -137,6 +143,30 @@ class CoordinatorService:
         if c is None:
             return None
         return c.lease if c.epoch == self.epoch else 0
+
+    def _view(self) -> ClusterView | None:
+        return self.with_costs(self._read_view())
+
+    def with_costs(self, view: ClusterView | None) -> ClusterView | None:
+        """`view` with the cost figures measured from its workers in its settings
+        (`settings.InForce`); the same object for the same view, so the load book's columns
+        are built once per view."""
+        if view is None or view is self._costed:
+            return view
+        if view is not self._costed_from:
+            costs = estimate(view.workers.values())
+            if costs.differs(self.costs):
+                log.info("cost model: %s", costs.describe())
+            self.costs = costs
+            self._costed_from = view
+            self._costed = dataclasses.replace(view, settings=in_force(view.settings, costs))
+        assert self._costed is not None
+        return self._costed
+
+    def _costed_view(self, view: ClusterView) -> ClusterView:
+        costed = self.with_costs(view)
+        assert costed is not None
+        return costed
 
     def _read(self) -> ClusterView:
         view = self._view()
@@ -283,13 +313,14 @@ class CoordinatorService:
     def expire(self, view: ClusterView | None = None) -> int:
         """Forget requests whose gateway is gone or that outlived the TTL (also done on
         every new view); returns how many."""
-        return self.book.expire(view if view is not None else self._view())
+        return self.book.expire(self.with_costs(view) if view is not None else self._view())
 
     # -- the coordinator's writes, every HA cycle ----------------------------------------------
 
     def lead_ops(self, view: ClusterView, keys: Keys, now: float | None = None) -> list[Op]:
         """Everything this coordinator writes this cycle (guarded by its epoch)."""
         now = time.time() if now is None else now
+        view = self._costed_view(view)
         self.book.columns(view)  # a new view: its heartbeats in, dead gateways' requests out
         return self.assist_ops(view, keys, now) + self.recovery_ops(view, keys, now)
 
@@ -332,6 +363,7 @@ class CoordinatorService:
         ops guarded by the epoch)."""
         now = time.time() if now is None else now
         ops: list[Op] = []
+        view = self._costed_view(view)
         policy = policy_config(view.settings)
         kept: dict[str, AssistAssignment] = {}
         for name, a in sorted(view.assists.items()):

@@ -9,17 +9,23 @@ turned into the `PolicyConfig` the policy functions take.
   completion time. alpha, beta, theta and tau are kept but not used.
 * `paper`: Algorithms 1-3 as published, L_hat = alpha * bytes held + beta * queue, with
   theta and tau.
+
+The cost model's restore bandwidth and prefill cost are measured where the engines count
+them (lumend.coordinator.estimates): the coordinator decides with `InForce` settings, the
+stored ones plus what it measured from the same view.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import get_args
 
 import msgspec
 
 from lumend.cluster.models import ClusterSettings, Decisions, PolicyMode
+from lumend.coordinator.estimates import CostEstimates
 from lumend.coordinator.policy import Mode, PolicyConfig, in_seconds
 
 MODES: tuple[str, ...] = get_args(PolicyMode)
@@ -87,18 +93,49 @@ def check(settings: ClusterSettings) -> ClusterSettings:
     return settings
 
 
+class InForce(ClusterSettings, frozen=True, kw_only=True):
+    """The settings a coordinator decides with: the stored ones, and the cost figures it
+    measured from the same view (lumend.coordinator.estimates; None: the default constant).
+    Never stored: the `config` key holds what operators set, decoded as ClusterSettings."""
+
+    restore_bytes_per_s: float | None = None
+    recompute_s_per_token: float | None = None
+
+
+def in_force(settings: ClusterSettings | None, costs: CostEstimates) -> InForce:
+    """`settings` (None: the defaults) with the measured figures of `costs`."""
+    s = settings or ClusterSettings()
+    fields = {name: getattr(s, name) for name in ClusterSettings.__struct_fields__}
+    return InForce(**fields,
+                   restore_bytes_per_s=costs.restore.value if costs.restore.measured
+                   else None,
+                   recompute_s_per_token=costs.prefill.value if costs.prefill.measured
+                   else None)
+
+
 def policy_config(settings: ClusterSettings | None) -> PolicyConfig:
     s = settings or ClusterSettings()
     if s.decisions == "cost_aware":
-        return _cost_aware(s.theta, s.tau, s.mode)
+        measured = s if isinstance(s, InForce) else None
+        return _cost_aware(s.theta, s.tau, s.mode,
+                           measured and measured.restore_bytes_per_s,
+                           measured and measured.recompute_s_per_token)
     return PolicyConfig(alpha=s.alpha, beta=s.beta, theta=s.theta, tau=s.tau, mode=Mode(s.mode))
 
 
 @functools.lru_cache(maxsize=16)
-def _cost_aware(theta: float, tau: int, mode: str) -> PolicyConfig:
+def _cost_aware(theta: float, tau: int, mode: str, restore_bytes_per_s: float | None = None,
+                recompute_s_per_token: float | None = None) -> PolicyConfig:
     # Cached: the load book builds one per view (the config is frozen, so sharing is safe).
-    return in_seconds(PolicyConfig(theta=theta, tau=tau, mode=Mode(mode), cost_aware=True,
-                                   admission="queue"))
+    # Measured figures change the record a worker writes in steps of 1/128 at most (its
+    # counters' rounding), so a few entries cover a cluster's views.
+    cfg = PolicyConfig(theta=theta, tau=tau, mode=Mode(mode), cost_aware=True,
+                       admission="queue")
+    if restore_bytes_per_s is not None:
+        cfg = replace(cfg, restore_bytes_per_s=restore_bytes_per_s)
+    if recompute_s_per_token is not None:
+        cfg = replace(cfg, recompute_s_per_token=recompute_s_per_token)
+    return in_seconds(cfg)
 
 
 def as_rows(settings: ClusterSettings) -> list[dict[str, object]]:

@@ -8,6 +8,7 @@ and restarts; adapters hold no state of their own.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,13 @@ from typing import Protocol
 
 import aiohttp
 
-from lumend.engine.metric_names import CKPT_REQUESTS_COMPLETE, CKPT_REQUESTS_RUNNING, deprecated
+from lumend.cluster.models import WorkerLoad
+from lumend.engine.metric_names import (
+    CKPT_REQUESTS_COMPLETE,
+    CKPT_REQUESTS_RUNNING,
+    ckpt_counter,
+    deprecated,
+)
 from lumend.engine.vllm_assist import ASSIST_FILE_ENV
 from lumend.engine.vllm_version import vllm_problem
 
@@ -56,6 +63,45 @@ class EngineLoad:
     # Checkpoint coverage gauges; None when the engine does not export them (unknown, not 0).
     ckpt_running: int | None = None
     ckpt_complete: int | None = None
+    # Cost counters since the engine started (None: not exported): checkpoint bytes
+    # restored and the seconds those restores took; prompt tokens prefilled (computed, not
+    # cached) and the seconds prefills took (vLLM's per-request prefill time).
+    restored_bytes: int | None = None
+    restore_s: float | None = None
+    prefill_tokens: int | None = None
+    prefill_s: float | None = None
+
+    def report(self) -> WorkerLoad:
+        """The worker's load as its record carries it: the cost counters rounded to 8
+        significant bits (1/128), so that they change the record, which is written when it
+        changes, a few hundred times per doubling rather than at every heartbeat."""
+        return WorkerLoad(
+            running=self.running, waiting=self.waiting, kv_usage=self.kv_usage,
+            ckpt_running=self.ckpt_running, ckpt_complete=self.ckpt_complete,
+            restored_bytes=None if self.restored_bytes is None
+            else round_int(self.restored_bytes),
+            restore_s=None if self.restore_s is None else round_float(self.restore_s),
+            prefill_tokens=None if self.prefill_tokens is None
+            else round_int(self.prefill_tokens),
+            prefill_s=None if self.prefill_s is None else round_float(self.prefill_s))
+
+
+SIGNIFICANT_BITS = 8
+
+
+def round_int(n: int) -> int:
+    """`n` to its top SIGNIFICANT_BITS bits (down; n >= 0)."""
+    shift = max(0, n.bit_length() - SIGNIFICANT_BITS)
+    return (n >> shift) << shift
+
+
+def round_float(x: float) -> float:
+    """`x` to SIGNIFICANT_BITS significant bits (down; x >= 0)."""
+    if not math.isfinite(x) or x <= 0:
+        return x
+    mantissa, exponent = math.frexp(x)
+    return math.ldexp(math.floor(mantissa * (1 << SIGNIFICANT_BITS)),
+                      exponent - SIGNIFICANT_BITS)
 
 
 class EngineAdapter(Protocol):
@@ -248,8 +294,19 @@ LUMEN_KV_TRANSFER_CONFIG = json.dumps({
 
 
 _COVERAGE = (CKPT_REQUESTS_RUNNING, CKPT_REQUESTS_COMPLETE)
+# Cost counters (lumend.coordinator.estimates): LUMEN's restore counters, from both engine
+# kinds' connectors; vLLM's prefill time and computed prompt tokens (vLLM 0.32: the
+# `local_compute` source of prompt_tokens_by_source leaves out prefix-cache hits and tokens
+# loaded from a checkpoint; prompt_tokens_total, all of them, where it is absent).
+RESTORED_BYTES = ckpt_counter("restored_bytes") + "_total"
+RESTORE_SECONDS = ckpt_counter("restore_seconds") + "_total"
+PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", *_COVERAGE, *map(deprecated, _COVERAGE))
+                 "vllm:kv_cache_usage_perc", *_COVERAGE, *map(deprecated, _COVERAGE),
+                 RESTORED_BYTES, RESTORE_SECONDS, PREFILL_SECONDS, PROMPT_TOKENS,
+                 PROMPT_TOKENS_BY_SOURCE)
 
 
 LUMEN_SPECULATIVE_CONFIG = json.dumps({
@@ -260,16 +317,18 @@ LUMEN_SPECULATIVE_CONFIG = json.dumps({
 
 
 def parse_load(metrics_text: str) -> EngineLoad:
-    """Load from vLLM's metric names in a Prometheus text exposition, and checkpoint
-    coverage from LUMEN's `lumen_ckpt_requests_running` / `lumen_ckpt_requests_complete`
-    (or their deprecated 0.1 names alone, from an older engine; None each when absent, as
-    from an engine without LUMEN's connector)."""
+    """Load from vLLM's metric names in a Prometheus text exposition, checkpoint coverage
+    from LUMEN's `lumen_ckpt_requests_running` / `lumen_ckpt_requests_complete` (or their
+    deprecated 0.1 names alone, from an older engine), and the cost counters; None each when
+    absent, as from an engine without LUMEN's connector."""
     values: dict[str, float] = {}
     for line in metrics_text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         name_part, _, value = line.rpartition(" ")
         name = name_part.split("{", 1)[0]
+        if name == PROMPT_TOKENS_BY_SOURCE and 'source="local_compute"' not in name_part:
+            continue
         if name in _LOAD_METRICS:
             values[name] = values.get(name, 0.0) + float(value)
 
@@ -279,12 +338,26 @@ def parse_load(metrics_text: str) -> EngineLoad:
                 return int(values[n])
         return None
 
+    def counter(*names: str) -> float | None:
+        """The first of `names` exported with a usable value (a count is finite, >= 0)."""
+        for name in names:
+            value = values.get(name)
+            if value is not None and math.isfinite(value) and value >= 0:
+                return value
+        return None
+
+    restored = counter(RESTORED_BYTES)
+    prompt = counter(PROMPT_TOKENS_BY_SOURCE, PROMPT_TOKENS)
     return EngineLoad(
         running=int(values.get("vllm:num_requests_running", 0)),
         waiting=int(values.get("vllm:num_requests_waiting", 0)),
         kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
         ckpt_running=optional(CKPT_REQUESTS_RUNNING),
         ckpt_complete=optional(CKPT_REQUESTS_COMPLETE),
+        restored_bytes=None if restored is None else int(restored),
+        restore_s=counter(RESTORE_SECONDS),
+        prefill_tokens=None if prompt is None else int(prompt),
+        prefill_s=counter(PREFILL_SECONDS),
     )
 
 

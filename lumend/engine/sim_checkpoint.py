@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any, Literal, TypeVar
 
 from lumend.checkpoint.security import client_keys_from_env
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+from lumend.engine.metric_names import ckpt_counter
 from lumend.engine.sim_core import BLOCK_SIZE, SimRequest, block_hashes, kv_page
 from lumend.engine.sim_models import SimModel
 
@@ -74,6 +76,17 @@ class CheckpointCounters:
     restored_tokens: int = 0
     restore_misses: int = 0  # resumed requests the holder had nothing for
     restore_mismatches: int = 0  # pages that were not what this engine computes
+    # Restores that loaded pages: their bytes, and the seconds from the LOOKUP to the last
+    # page checked (the whole restore a resumed request waits for). lumend reads them as
+    # `lumen_ckpt_restored_bytes_total` / `lumen_ckpt_restore_seconds_total` (`metric_lines`).
+    restored_bytes: int = 0
+    restore_seconds: float = 0.0
+
+    def metric_lines(self) -> list[str]:
+        """The restore counters in the Prometheus text format, under the names the vLLM
+        connector exports them (lumend's load parse reads both kinds the same way)."""
+        return [f"{ckpt_counter('restored_bytes')}_total {self.restored_bytes}",
+                f"{ckpt_counter('restore_seconds')}_total {self.restore_seconds!r}"]
 
 
 class SimCheckpointer:
@@ -189,7 +202,11 @@ class SimCheckpointer:
         """Tokens of `prompt` whose KV the holder has, verified; at least one token is left
         to compute (the step that yields the next token)."""
         await self.connect(plan)  # the request's FINISH goes through this connection
+        started = time.perf_counter()
         restored = await asyncio.to_thread(self._fetch, prompt, plan, request_id)
+        if restored:
+            self.counters.restored_bytes += restored // BLOCK_SIZE * self.page_bytes
+            self.counters.restore_seconds += time.perf_counter() - started
         restored = min(restored, len(prompt) - 1)
         self.counters.restored_tokens += restored
         return restored

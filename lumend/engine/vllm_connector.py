@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -193,7 +194,7 @@ class LumenConnector(KVConnectorBase_V1):
         self._finished_while_copying: set[str] = set()
         self._load_errors: set[int] = set()
         # Counts since the last stats report (vLLM sums them into Prometheus counters).
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._incomplete: set[str] = set()  # worker: checkpoints that lost a block
         self._reported_incomplete: set[str] = set()
         self._saving: dict[str, tuple[str, str]] = {}  # worker: request -> (holder, ckpt)
@@ -358,6 +359,7 @@ class LumenConnector(KVConnectorBase_V1):
         if not meta.loads or self._pages is None or self._page_layout is None:
             return
         # Every resumed request of this step: its pages fetched together, then one batch.
+        started = time.perf_counter()
         block_ids: list[int] = []
         pages: list[Any] = []
         for load in meta.loads:
@@ -367,6 +369,13 @@ class LumenConnector(KVConnectorBase_V1):
         if block_ids:
             self._pages.load(block_ids, pages)
             self.counters["blocks_loaded"] += len(block_ids)
+            # The restore's cost (lumend.coordinator.estimates): bytes, and seconds from the
+            # first GET to the pages queued for the GPU (on CUDA the copy itself runs on,
+            # and the forward waits for, a side stream: not counted). Ranks restore their
+            # own pages in parallel: each counts its share of the wall time, so the sum over
+            # ranks is the restore's time and bytes / seconds the engine's bandwidth.
+            self.counters["restored_bytes"] += len(block_ids) * self._pages.page_nbytes
+            self.counters["restore_seconds"] += (time.perf_counter() - started) / self._tp_size
 
     def _fetch(self, load: LoadSpec, layout: PageLayout) -> list[Any]:
         """The pages of `load` up to the first one missing or of the wrong size; the blocks
@@ -514,7 +523,8 @@ class LumenConnector(KVConnectorBase_V1):
         self._streamers.clear()
 
 
-COUNTERS = ("blocks_saved", "blocks_dropped", "blocks_loaded", "load_failures", "lookup_hits")
+COUNTERS = ("blocks_saved", "blocks_dropped", "blocks_loaded", "load_failures", "lookup_hits",
+            "restored_bytes", "restore_seconds")
 
 
 class LumenConnectorStats(KVConnectorStats):

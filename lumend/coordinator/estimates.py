@@ -1,0 +1,155 @@
+"""The cost figures cost-aware decisions use, measured by the engines where they can be.
+
+Two figures of `PolicyConfig`'s cost model are measured:
+* `restore_bytes_per_s`: checkpoint bytes restored / the seconds those restores took (both
+  engine kinds count them where a resumed request loads its pages: lumend.engine
+  .sim_checkpoint, lumend.engine.vllm_connector);
+* `recompute_s_per_token`: prefill seconds / prompt tokens computed (vLLM's
+  `vllm:request_prefill_time_seconds` and `vllm:prompt_tokens_by_source_total`; the sim
+  engine exports no prefill time, so a cluster of sim engines keeps the default).
+
+Each worker's record carries its active engine's counters since that engine started
+(`WorkerLoad`). An estimate is the ratio of their sums over the workers of one view: a
+pure function of the store, so the coordinator decides with it, a newly elected coordinator
+has it from its first view, and `lumenctl config show` computes the same figure from the
+same records. A worker's counters are a sample; one is left out when it is too small to say
+anything (under `MIN_RESTORE_BYTES` / `MIN_PREFILL_TOKENS`, or under `MIN_SECONDS`) or
+absurd (not finite, negative, or a rate outside the plausible range). Counters that went
+back to 0 (an engine restarted, or a shadow took over) are a smaller sample, not a
+negative one. No usable sample: the default constant stays in use.
+
+The sums are over the engines' lifetimes, not a window: a bandwidth and a per-token cost are
+properties of the hardware and the model, which do not drift while an engine runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from lumend.cluster.models import WorkerRecord
+from lumend.coordinator.policy import PolicyConfig, in_seconds
+
+MIN_RESTORE_BYTES = 1 << 20  # 1 MiB: fewer bytes say more about latency than bandwidth
+MIN_PREFILL_TOKENS = 256
+MIN_SECONDS = 1e-4
+# Plausible ranges: a restore between 1 MB/s and 10 TB/s, a prefill token between 10 ns and
+# 1 s. Outside them a sample is a unit error or a broken clock, not a measurement.
+RESTORE_RANGE = (1e6, 1e13)
+PREFILL_RANGE = (1e-8, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """One figure of the cost model as decisions use it."""
+
+    key: str  # the PolicyConfig field it sets
+    value: float
+    workers: int  # workers whose counters it is measured from; 0: the default constant
+    amount: float = 0.0  # bytes restored or tokens prefilled, summed over them
+    seconds: float = 0.0  # the seconds those took
+    at: float | None = None  # when the newest of those workers' records was written
+
+    @property
+    def measured(self) -> bool:
+        return self.workers > 0
+
+    @property
+    def source(self) -> str:
+        if not self.measured:
+            return "default"
+        return f"measured from {self.workers} worker{'s' if self.workers != 1 else ''}"
+
+
+@dataclass(frozen=True, slots=True)
+class CostEstimates:
+    restore: Estimate
+    prefill: Estimate
+
+    def apply(self, cfg: PolicyConfig) -> PolicyConfig:
+        """`cfg` with the measured figures in place of its constants (and, cost-aware, its
+        L_hat weights derived again from them, as `in_seconds` does)."""
+        if not (self.restore.measured or self.prefill.measured):
+            return cfg
+        cfg = replace(cfg, restore_bytes_per_s=self.restore.value if self.restore.measured
+                      else cfg.restore_bytes_per_s,
+                      recompute_s_per_token=self.prefill.value if self.prefill.measured
+                      else cfg.recompute_s_per_token)
+        return in_seconds(cfg) if cfg.cost_aware else cfg
+
+    def rows(self, now: float) -> list[dict[str, object]]:
+        """One row per figure, for `lumenctl config show`: key, value, source (measured or
+        default), workers, amount and seconds measured, age (seconds since the newest record
+        it is measured from was written; None: the default), meaning."""
+        return [{"key": e.key, "value": e.value, "source": "measured" if e.measured
+                 else "default", "workers": e.workers, "amount": e.amount,
+                 "seconds": e.seconds, "age_s": None if e.at is None else max(0.0, now - e.at),
+                 "meaning": MEANINGS[e.key]}
+                for e in (self.restore, self.prefill)]
+
+    def differs(self, other: CostEstimates, by: float = 0.05) -> bool:
+        """Whether a figure changed source or value by more than `by` (relative)."""
+        return any(a.measured != b.measured or abs(a.value - b.value) > by * abs(b.value)
+                   for a, b in ((self.restore, other.restore), (self.prefill, other.prefill)))
+
+    def describe(self) -> str:
+        """One line for the log: both figures and where they come from."""
+        return (f"restore bandwidth {self.restore.value / 1e9:.3g} GB/s ({self.restore.source})"
+                f", prefill {self.prefill.value * 1e6:.3g} us per token "
+                f"({self.prefill.source})")
+
+
+MEANINGS = {
+    "restore_bytes_per_s": "restore bandwidth: checkpoint bytes loaded per second by a "
+                           "resumed request (measured: bytes restored / seconds restoring)",
+    "recompute_s_per_token": "prefill seconds per prompt token (measured: vLLM's prefill "
+                             "time / prompt tokens computed)",
+}
+
+
+def estimate(workers: Iterable[WorkerRecord], defaults: PolicyConfig | None = None
+             ) -> CostEstimates:
+    """The estimates from the workers' counters; the defaults' constants where none is
+    usable."""
+    cfg = defaults or PolicyConfig()
+    records = list(workers)
+    restore = _ratio([(w.load.restored_bytes, w.load.restore_s, w.updated_at)
+                      for w in records], MIN_RESTORE_BYTES, RESTORE_RANGE, per_second=True)
+    prefill = _ratio([(w.load.prefill_tokens, w.load.prefill_s, w.updated_at)
+                      for w in records], MIN_PREFILL_TOKENS, PREFILL_RANGE, per_second=False)
+    return CostEstimates(
+        restore=_estimate("restore_bytes_per_s", restore, cfg.restore_bytes_per_s,
+                          per_second=True),
+        prefill=_estimate("recompute_s_per_token", prefill, cfg.recompute_s_per_token,
+                          per_second=False))
+
+
+Sums = tuple[int, float, float, float | None]
+
+
+def _ratio(samples: Iterable[tuple[float | None, float | None, float]], min_amount: float,
+           plausible: tuple[float, float], *, per_second: bool) -> Sums:
+    """(usable samples, their amounts' sum, their seconds' sum, the newest one's time)."""
+    n, amount, seconds = 0, 0.0, 0.0
+    newest: float | None = None
+    low, high = plausible
+    for a, s, at in samples:
+        if a is None or s is None or not (math.isfinite(a) and math.isfinite(s)):
+            continue
+        if a < min_amount or s < MIN_SECONDS:
+            continue
+        rate = a / s if per_second else s / a
+        if not low <= rate <= high:
+            continue
+        n, amount, seconds = n + 1, amount + a, seconds + s
+        newest = at if newest is None else max(newest, at)
+    return n, amount, seconds, newest
+
+
+def _estimate(key: str, sums: Sums, default: float, *, per_second: bool) -> Estimate:
+    n, amount, seconds, at = sums
+    if n == 0:
+        return Estimate(key, default, 0)
+    return Estimate(key, amount / seconds if per_second else seconds / amount, n, amount,
+                    seconds, at)

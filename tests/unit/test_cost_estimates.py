@@ -1,0 +1,202 @@
+"""The cost figures measured from the engines' counters (lumend.coordinator.estimates), how
+an engine's /metrics becomes those counters (lumend.engine.adapter), and the coordinator
+deciding with them (settings.InForce, CoordinatorService.with_costs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from msgspec.structs import replace
+
+from lumend.cluster.models import ClusterSettings, EngineInfo, WorkerLoad, WorkerRecord
+from lumend.cluster.view import ClusterView
+from lumend.coordinator.estimates import MIN_RESTORE_BYTES, estimate
+from lumend.coordinator.policy import MEAN_PROMPT_TOKENS, PolicyConfig
+from lumend.coordinator.service import CoordinatorService
+from lumend.coordinator.settings import in_force, policy_config
+from lumend.engine.adapter import EngineLoad, parse_load, round_float, round_int
+from lumend.engine.sim_checkpoint import CheckpointCounters
+from lumend.rpc.messages import CheckpointRef, RecoverAsk
+
+from .test_coordinator_loadbook import cluster
+from .test_coordinator_loadbook import worker as lb_worker
+
+GB = 1e9
+DEFAULT = PolicyConfig()
+
+
+def worker(name: str, at: float = 100.0, **load: float | None) -> WorkerRecord:
+    return WorkerRecord(name=name, node=f"n-{name}", gpus=[0], engine="sim", model="m",
+                        state="serving", updated_at=at,
+                        engines=[EngineInfo(id=f"{name}/e0", role="active", state="active",
+                                            url="http://127.0.0.1:1")],
+                        load=WorkerLoad(**load))  # type: ignore[arg-type]
+
+
+def restores(name: str, nbytes: float, seconds: float, at: float = 100.0) -> WorkerRecord:
+    return worker(name, at, restored_bytes=int(nbytes), restore_s=seconds)
+
+
+# -- the estimator -----------------------------------------------------------------------
+
+def test_no_counters_keeps_the_default_constants() -> None:
+    costs = estimate([worker("w0"), worker("w1")])
+    assert costs.restore.value == DEFAULT.restore_bytes_per_s
+    assert costs.prefill.value == DEFAULT.recompute_s_per_token
+    assert not costs.restore.measured and costs.restore.source == "default"
+    assert costs.apply(DEFAULT) is DEFAULT
+
+
+def test_restore_bandwidth_is_the_ratio_of_sums() -> None:
+    # 6 GB in 2 s and 2 GB in 2 s: 8 GB / 4 s = 2 GB/s (not the mean of 3 and 1 GB/s)
+    costs = estimate([restores("w0", 6 * GB, 2.0, at=50.0), restores("w1", 2 * GB, 2.0),
+                      worker("w2")])
+    assert costs.restore.value == pytest.approx(2 * GB)
+    assert costs.restore.workers == 2 and costs.restore.source == "measured from 2 workers"
+    assert costs.restore.at == 100.0  # the newest record it reads
+    assert not costs.prefill.measured
+
+
+def test_prefill_cost_is_seconds_per_token() -> None:
+    costs = estimate([worker("w0", prefill_tokens=10_000, prefill_s=1.5),
+                      worker("w1", prefill_tokens=30_000, prefill_s=2.5)])
+    assert costs.prefill.value == pytest.approx(4.0 / 40_000)
+    assert costs.prefill.source == "measured from 2 workers"
+
+
+@pytest.mark.parametrize("nbytes, seconds", [
+    (4 * GB, 0.0),                 # zero seconds
+    (4 * GB, -1.0),                # a negative count
+    (-4 * GB, 1.0),
+    (MIN_RESTORE_BYTES - 1, 0.5),  # too small to say anything about bandwidth
+    (4 * GB, math.nan),
+    (4 * GB, math.inf),
+    (4e15, 1.0),                   # 4 PB/s: not a measurement
+], ids=["zero-s", "negative-s", "negative-bytes", "tiny", "nan", "inf", "absurd-rate"])
+def test_absurd_samples_are_ignored(nbytes: float, seconds: float) -> None:
+    bad = worker("bad", restored_bytes=int(nbytes), restore_s=seconds)
+    alone = estimate([bad])
+    assert not alone.restore.measured and alone.restore.value == DEFAULT.restore_bytes_per_s
+    mixed = estimate([bad, restores("good", 3 * GB, 1.0)])
+    assert mixed.restore.value == pytest.approx(3 * GB) and mixed.restore.workers == 1
+
+
+def test_an_engine_restart_is_a_smaller_sample_not_a_negative_one() -> None:
+    before = estimate([restores("w0", 8 * GB, 4.0), restores("w1", 2 * GB, 1.0)])
+    # w1's engine restarted: its counters start again from 0, then grow
+    reset = estimate([restores("w0", 8 * GB, 4.0), restores("w1", 0, 0.0)])
+    assert reset.restore.value == pytest.approx(2 * GB) and reset.restore.workers == 1
+    regrown = estimate([restores("w0", 8 * GB, 4.0), restores("w1", 4 * GB, 1.0)])
+    assert before.restore.value == pytest.approx(2 * GB)
+    assert regrown.restore.value == pytest.approx(12 * GB / 5.0)
+
+
+def test_a_view_with_no_new_restore_keeps_the_last_value() -> None:
+    records = [restores("w0", 5 * GB, 2.0)]
+    first = estimate(records)
+    # later views: w0 still reports the same counters, a new worker has restored nothing
+    later = estimate([*records, worker("w1", restored_bytes=0, restore_s=0.0)])
+    assert later == first
+
+
+def test_apply_replaces_the_constants_and_the_weights_derived_from_them() -> None:
+    costs = estimate([restores("w0", 5 * GB, 1.0),
+                      worker("w1", prefill_tokens=10_000, prefill_s=3.0)])
+    cost_aware = policy_config(None)
+    applied = costs.apply(cost_aware)
+    assert applied.restore_bytes_per_s == pytest.approx(5 * GB)
+    assert applied.recompute_s_per_token == pytest.approx(3e-4)
+    assert applied.alpha == pytest.approx(1 / (5 * GB))
+    assert applied.beta == pytest.approx(MEAN_PROMPT_TOKENS * 3e-4)
+
+
+def test_differs_by_more_than_five_percent_or_source() -> None:
+    a = estimate([restores("w0", 5 * GB, 1.0)])
+    assert not a.differs(estimate([restores("w0", 5.1 * GB, 1.0)]))
+    assert a.differs(estimate([restores("w0", 6 * GB, 1.0)]))
+    assert a.differs(estimate([]))
+
+
+# -- the settings a coordinator decides with ----------------------------------------------
+
+def test_policy_config_takes_the_measured_figures_in_force() -> None:
+    costs = estimate([restores("w0", 2 * GB, 1.0)])
+    cfg = policy_config(in_force(ClusterSettings(theta=7.0), costs))
+    assert cfg.restore_bytes_per_s == pytest.approx(2 * GB)
+    assert cfg.alpha == pytest.approx(1 / (2 * GB)) and cfg.theta == 7.0
+    assert cfg.recompute_s_per_token == DEFAULT.recompute_s_per_token  # not measured
+    # control: the stored settings alone keep the constant
+    assert policy_config(ClusterSettings(theta=7.0)).restore_bytes_per_s == 25e9
+    # decisions = paper: alpha and beta are the operator's, whatever was measured
+    paper = policy_config(in_force(ClusterSettings(decisions="paper", alpha=1.0), costs))
+    assert paper.alpha == 1.0
+
+
+def test_the_coordinator_decides_with_what_its_view_measured() -> None:
+    # A request interrupted on a0 with 20 blocks checkpointed on c0 (its KV: 84 MB). At the
+    # default 25 GB/s restoring them beats recomputing 320 tokens on b0; at 10 MB/s, as c0's
+    # engine measured its restores, it takes 8 s and recomputing wins.
+    def view(c0_load: WorkerLoad) -> ClusterView:
+        return cluster([lb_worker("a0", "a"), lb_worker("b0", "b"),
+                        replace(lb_worker("c0", "c"), load=c0_load)], gateways=("gw",))
+
+    views = [view(WorkerLoad())]
+    service = CoordinatorService("a", 1, lambda: views[-1])
+    ask = RecoverAsk("r", "a0", 320, "", CheckpointRef("ck", "c0", "tcp://c:7441"), "gw")
+    assert service.recover(ask).resume  # control: the default constant
+    views.append(view(WorkerLoad(restored_bytes=50_000_000, restore_s=5.0)))
+    costed = service._read()
+    assert service._read() is costed  # once per view: the load book's columns are cached
+    assert service.book.columns(costed).cfg.restore_bytes_per_s == pytest.approx(1e7)
+    assert service.costs.restore.workers == 1
+    slow = service.recover(dataclasses.replace(ask, request_id="r2"))
+    assert not slow.resume and "recompute" in slow.reason, slow.reason
+
+
+# -- an engine's /metrics into the worker's record ----------------------------------------
+
+def test_parse_load_reads_the_cost_counters() -> None:
+    text = "\n".join([
+        'vllm:num_requests_running{model_name="m"} 2',
+        "lumen_ckpt_restored_bytes_total 1048576",
+        "lumen_ckpt_restore_seconds_total 0.25",
+        'vllm:request_prefill_time_seconds_sum{model_name="m",engine="0"} 3.5',
+        'vllm:prompt_tokens_total{model_name="m",engine="0"} 9000',
+        'vllm:prompt_tokens_by_source_total{model_name="m",engine="0",source="local_compute"}'
+        " 7000",
+        'vllm:prompt_tokens_by_source_total{model_name="m",engine="0",'
+        'source="external_kv_transfer"} 2000',
+    ])
+    load = parse_load(text)
+    assert (load.restored_bytes, load.restore_s) == (1048576, 0.25)
+    assert (load.prefill_tokens, load.prefill_s) == (7000, 3.5)  # computed tokens only
+    older = parse_load(text.rsplit("\nvllm:prompt_tokens_by_source", 2)[0])
+    assert older.prefill_tokens == 9000  # no by-source counter: all prompt tokens
+
+
+def test_an_engine_without_the_counters_reports_none() -> None:
+    load = parse_load('vllm:num_requests_running{model_name="m"} 1\n')
+    assert load.restored_bytes is None and load.prefill_s is None
+    report = load.report()
+    assert report.restored_bytes is None and report.running == 1
+
+
+def test_the_sim_engines_counters_read_back() -> None:
+    counters = CheckpointCounters(restored_bytes=3 << 20, restore_seconds=0.125)
+    load = parse_load("\n".join(counters.metric_lines()))
+    assert (load.restored_bytes, load.restore_s) == (3 << 20, 0.125)
+
+
+def test_the_record_carries_counters_rounded_to_eight_bits() -> None:
+    assert round_int(255) == 255 and round_int(1000) == 1000 // 4 * 4
+    assert round_int(123_456_789) <= 123_456_789 < round_int(123_456_789) * (1 + 1 / 128)
+    x = 0.123456789
+    assert round_float(x) <= x < round_float(x) * (1 + 1 / 128)
+    assert round_float(0.0) == 0.0
+    report = EngineLoad(0, 0, 0.0, restored_bytes=123_456_789, restore_s=x).report()
+    assert report.restored_bytes == round_int(123_456_789) and report.restore_s == round_float(x)
+    # a heartbeat later, a little more restored: the record is the same (no write)
+    later = EngineLoad(0, 0, 0.0, restored_bytes=123_456_789 + 1000, restore_s=x + 1e-6)
+    assert later.report() == report
