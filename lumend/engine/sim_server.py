@@ -630,7 +630,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="sim-small")
-    parser.add_argument("--served-model-name", nargs="+", default=[],
+    parser.add_argument("--served-model-name", "--served_model_name", nargs="+", default=[],
                         help="the names it serves under, as vLLM's (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-scale", type=float, default=1.0,
