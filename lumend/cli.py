@@ -10,7 +10,13 @@ from pathlib import Path
 import typer
 
 from lumend import __version__
-from lumend.config import DEFAULT_CONFIG_PATH, ConfigError, NodeConfig, load_config
+from lumend.config import (
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    NodeConfig,
+    load_config,
+    served_name_warnings,
+)
 
 app = typer.Typer(
     name="lumend",
@@ -30,18 +36,21 @@ def check_config(
     strict: bool = typer.Option(
         False, "--strict", help="Warnings are errors (exit 2): a model path that does not "
         "exist or that this user cannot read, an unsupported vLLM, GPU engines without a "
-        "memory split or that do not fit together. The Ansible role checks "
+        "memory split or that do not fit together, a --served-model-name of several names "
+        "(only the first is routed). The Ansible role checks "
         "with --strict, so a node without its models fails the deploy."),
 ) -> None:
     """Validate a node config: exit 0 when valid, 2 with every problem listed when not.
     Also checks, as warnings, what the node needs besides the file: each worker's model and
     draft_model that is a path (absolute, or starting with ./ or ~) exists and is readable
     by the user running the check (run it as lumend's user), a vLLM lumend supports, and on
-    a GPU host that each vLLM worker with shadows has a memory split that fits its GPUs."""
+    a GPU host that each vLLM worker with shadows has a memory split that fits its GPUs,
+    and that no worker's --served-model-name gives names LUMEN would not route."""
     config = load_config_or_exit(path)
     from lumend.engine.vllm_version import vllm_worker_warnings  # metadata only, no vLLM
 
     warnings = model_path_warnings(config)
+    warnings += served_name_warnings(config)
     warnings += vllm_worker_warnings([(w.name, w.engine) for w in config.workers])
     warnings += memory_warnings(config)
     for warning in warnings:

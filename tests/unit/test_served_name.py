@@ -123,3 +123,23 @@ def test_extra_names_are_served_but_only_the_first_is_routed_and_that_is_warned(
     assert "workers 'w0'" in warning and "by the first, 'qwen', only" in warning
     assert "404 to requests for 'qwen3', 'q'" in warning
     assert served_name_warnings(parse_config(config_text(workers=[vllm()]))) == []
+
+
+def test_check_config_warns_of_extra_names_and_strict_fails(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "lumend.toml"
+    model = tmp_path / "Qwen3-32B"
+    model.mkdir()  # no warning about a missing model path to blur the one checked here
+    path.write_text(config_text(workers=[vllm(model=str(model), args=[
+        "--served-model-name", "qwen3-32b", "qwen3"])]))
+
+    def check(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "lumend", "check-config", *flags,
+                               str(path)], capture_output=True, text=True, timeout=60)
+
+    loose = check()
+    assert loose.returncode == 0, loose.stderr
+    assert "--served-model-name gives 2 names" in loose.stderr and "'qwen3'" in loose.stderr
+    assert check("--strict").returncode == 2
