@@ -469,6 +469,7 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_restore_misses_total {c.restore_misses}",
             f"lumen_sim_restore_mismatches_total {c.restore_mismatches}",
         ]
+        lines += c.metric_lines()  # restore counters, read into the worker's load by lumend
         lines += engine.assist.metric_lines()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

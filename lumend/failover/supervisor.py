@@ -34,7 +34,7 @@ import aiohttp
 
 from lumend.assist.processes import draft_command
 from lumend.checkpoint.security import ENV_VAR as CKPT_KEYS_ENV
-from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord, WorkerState
+from lumend.cluster.models import EngineInfo, WorkerRecord, WorkerState
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import EngineAdapter, EngineLoad, EngineSpec
 from lumend.engine.vllm_memory import gpu_total_bytes, memory_utilization
@@ -556,9 +556,7 @@ class WorkerSupervisor:
                            else None, url=s.spec.url)
                 for s in self.slots
             ],
-            load=WorkerLoad(running=self.load.running, waiting=self.load.waiting,
-                            kv_usage=self.load.kv_usage, ckpt_running=self.load.ckpt_running,
-                            ckpt_complete=self.load.ckpt_complete),
+            load=self.load.report(),
             updated_at=time.time(),
             draft=self.draft_endpoint if self.draft_proc is not None else "",
         )
