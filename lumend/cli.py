@@ -17,6 +17,7 @@ from lumend.config import (
     load_config,
     served_name_warnings,
 )
+from lumend.engine.vllm_memory import looks_like_path, weights_on_disk
 
 app = typer.Typer(
     name="lumend",
@@ -35,8 +36,9 @@ def check_config(
     path: Path = typer.Argument(Path(DEFAULT_CONFIG_PATH), help="The node config (TOML)."),
     strict: bool = typer.Option(
         False, "--strict", help="Warnings are errors (exit 2): a model path that does not "
-        "exist or that this user cannot read, an unsupported vLLM, GPU engines without a "
-        "memory split or that do not fit together, a --served-model-name of several names "
+        "exist or that this user cannot read, an unsupported vLLM, GPU engines with no "
+        "memory split that lumend cannot compute here (from nvidia-smi and the model's "
+        "weight files) or that do not fit together, a --served-model-name of several names "
         "(only the first is routed). The Ansible role checks "
         "with --strict, so a node without its models fails the deploy."),
 ) -> None:
@@ -44,15 +46,19 @@ def check_config(
     Also checks, as warnings, what the node needs besides the file: each worker's model and
     draft_model that is a path (absolute, or starting with ./ or ~) exists and is readable
     by the user running the check (run it as lumend's user), a vLLM lumend supports, and on
-    a GPU host that each vLLM worker with shadows has a memory split that fits its GPUs,
-    and that no worker's --served-model-name gives names LUMEN would not route."""
+    a GPU host that each vLLM worker with shadows has a memory split that fits its GPUs
+    (set, or the kv_cache_bytes lumend will compute, printed), and that no worker's
+    --served-model-name gives names LUMEN would not route."""
     config = load_config_or_exit(path)
     from lumend.engine.vllm_version import vllm_worker_warnings  # metadata only, no vLLM
 
     warnings = model_path_warnings(config)
     warnings += served_name_warnings(config)
     warnings += vllm_worker_warnings([(w.name, w.engine) for w in config.workers])
-    warnings += memory_warnings(config)
+    notes, memory = memory_checks(config)
+    warnings += memory
+    for note in notes:
+        typer.echo(f"{path}: {note}")
     for warning in warnings:
         typer.echo(f"{path}: {'error' if strict else 'warning'}: {warning}", err=True)
     if strict and warnings:
@@ -66,11 +72,6 @@ def check_config(
 
 # systemd's ProtectHome=yes (the shipped unit) makes these empty for lumend and its engines.
 HIDDEN_BY_UNIT = ("/home", "/root", "/run/user")
-
-
-def looks_like_path(model: str) -> bool:
-    """A model given as a local path, not a hub id such as "Qwen/Qwen3-8B" (or a sim preset)."""
-    return model.startswith(("/", "./", "../", "~"))
 
 
 def model_path_warnings(config: NodeConfig) -> list[str]:
@@ -105,39 +106,28 @@ def model_path_warnings(config: NodeConfig) -> list[str]:
     return found
 
 
-WEIGHT_FILES = (".safetensors", ".bin", ".pt")
-
-
-def weights_on_disk(model: str) -> int | None:
-    """The size of a local model directory's weight files (their size in GPU memory for an
-    unquantised checkpoint loaded in its own dtype); None for a hub id or no such files."""
-    local = os.path.expanduser(model)
-    if not looks_like_path(model) or not os.path.isdir(local):
-        return None
-    try:
-        sizes = {ext: sum(e.stat().st_size for e in os.scandir(local)
-                          if e.is_file() and e.name.endswith(ext)) for ext in WEIGHT_FILES}
-    except OSError:
-        return None
-    # A checkpoint may ship the same weights in two formats: vLLM loads one.
-    return next((size for size in sizes.values() if size), None)
-
-
-def memory_warnings(config: NodeConfig) -> list[str]:
-    """On a host with NVIDIA GPUs: each vLLM worker with shadows has a memory split, and
-    its engines fit on its GPUs together (lumend.config.memory_split_warnings)."""
-    from lumend.config import memory_split_warnings
+def memory_checks(config: NodeConfig) -> tuple[list[str], list[str]]:
+    """On a host with NVIDIA GPUs: each vLLM worker with shadows has a memory split, set or
+    computed, and its engines fit on its GPUs together (lumend.config.memory_split_warnings).
+    Returns (notes: the splits lumend will compute, warnings)."""
+    from lumend.config import computed_split_note, computes_memory_split, memory_split_warnings
     from lumend.engine.adapter import cuda_present
     from lumend.engine.vllm_memory import gpu_total_bytes
 
     if not cuda_present():
-        return []
-    found = []
+        return [], []
+    notes: list[str] = []
+    found: list[str] = []
     for worker in config.workers:
         if worker.engine == "vllm" and worker.shadows:
-            total = gpu_total_bytes(worker.gpus) if worker.kv_cache_bytes else None
-            found += memory_split_warnings(worker, total, weights_on_disk(worker.model))
-    return found
+            total = (gpu_total_bytes(worker.gpus)
+                     if worker.kv_cache_bytes or computes_memory_split(worker) else None)
+            weights = weights_on_disk(worker.model)
+            found += memory_split_warnings(worker, total, weights)
+            note = computed_split_note(worker, total, weights)
+            if note is not None:
+                notes.append(note)
+    return notes, found
 
 
 @app.command("run")

@@ -21,7 +21,11 @@ import msgspec
 
 from lumend.checkpoint.security import CurveKeys, KeyFileError
 from lumend.engine.sim_models import SIM_DRAFTS, SIM_MODELS
-from lumend.engine.vllm_memory import ENGINE_RESERVE_BYTES
+from lumend.engine.vllm_memory import (
+    ENGINE_RESERVE_BYTES,
+    default_kv_cache_bytes,
+    describe_kv_choice,
+)
 from lumend.gateway.auth import ApiKeyFileError, ApiKeys
 
 DEFAULT_CONFIG_PATH = "/etc/lumen/lumend.toml"
@@ -1022,6 +1026,31 @@ def _check_shared_gpu_fraction(table: _Table, args: list[str], shadows: int) -> 
 VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when none is given
 
 
+def computes_memory_split(worker: WorkerConfig) -> bool:
+    """A vLLM worker with shadows whose operator set no memory split (no kv_cache_bytes, no
+    --gpu-memory-utilization or --kv-cache-memory-bytes in its args): lumend chooses its
+    kv_cache_bytes at engine start (lumend.engine.vllm_memory.default_kv_cache_bytes)."""
+    return (worker.engine == "vllm" and worker.shadows > 0 and worker.kv_cache_bytes is None
+            and gpu_memory_utilization(worker.args) is None
+            and not any(a == "--kv-cache-memory-bytes"
+                        or a.startswith("--kv-cache-memory-bytes=") for a in worker.args))
+
+
+def computed_split_note(worker: WorkerConfig, gpu_total: int | None,
+                        weight_bytes: int | None) -> str | None:
+    """What lumend will choose for a worker that computes its memory split (None: it does
+    not, or cannot here, which memory_split_warnings reports)."""
+    if not computes_memory_split(worker) or gpu_total is None or weight_bytes is None:
+        return None
+    n = len(worker.gpus)
+    try:
+        kv = default_kv_cache_bytes(gpu_total, weight_bytes, n, worker.shadows)
+    except ValueError:
+        return None
+    return (f"workers {worker.name!r}: no kv_cache_bytes set: lumend will choose "
+            f"{describe_kv_choice(kv, gpu_total, weight_bytes, n, worker.shadows)}")
+
+
 def memory_split_warnings(worker: WorkerConfig, gpu_total: int | None,
                           weight_bytes: int | None) -> list[str]:
     """On a GPU host: whether a vLLM worker's engines fit on its GPUs together. lumend
@@ -1029,16 +1058,31 @@ def memory_split_warnings(worker: WorkerConfig, gpu_total: int | None,
     hold KV caches at once (a sleeping shadow holds none). Single GPU: the weights once
     (GMS) + 2 x (kv_cache_bytes + reserve); several: no GMS, so each engine's own share of
     the weights too, 2 x (weights / GPUs + kv_cache_bytes + reserve). `gpu_total` is the
-    smallest of its GPUs, `weight_bytes` the model's weights (None: unknown, not checked)."""
+    smallest of its GPUs, `weight_bytes` the model's weights (None: unknown, not checked).
+    With no split set lumend computes one (computes_memory_split): a warning only when it
+    cannot here (GPU memory or weights unknown) or when none fits."""
     if worker.engine != "vllm" or worker.shadows == 0:
         return []
     where = f"workers {worker.name!r}"
-    fraction = gpu_memory_utilization(worker.args)
-    if worker.kv_cache_bytes is None and fraction is None:
-        return [f"{where}: its {worker.shadows + 1} engines share GPUs {worker.gpus} with no "
+    no_split = (f"{where}: its {worker.shadows + 1} engines share GPUs {worker.gpus} with no "
                 "memory split, so each starts with vLLM's default --gpu-memory-utilization "
                 f"{VLLM_DEFAULT_UTILIZATION:g} and the shadow cannot start while the active "
-                "engine holds its memory; set kv_cache_bytes (examples/lumend.toml)"]
+                "engine holds its memory")
+    if computes_memory_split(worker):
+        if gpu_total is None or weight_bytes is None:
+            unknown = ("nvidia-smi reports no memory for these GPUs" if gpu_total is None
+                       else f"the size of model {worker.model!r} is unknown (not a local "
+                       "directory of weight files)")
+            return [f"{no_split}: lumend would choose kv_cache_bytes from the GPUs' memory "
+                    f"and the model's weights, but {unknown}; set kv_cache_bytes "
+                    "(examples/lumend.toml)"]
+        try:
+            default_kv_cache_bytes(gpu_total, weight_bytes, len(worker.gpus), worker.shadows)
+        except ValueError as exc:
+            return [f"{where}: no kv_cache_bytes set, and none fits: {exc}"]
+        return []
+    if worker.kv_cache_bytes is None and gpu_memory_utilization(worker.args) is None:
+        return [f"{no_split}; set kv_cache_bytes (examples/lumend.toml)"]
     if worker.kv_cache_bytes is None or gpu_total is None or weight_bytes is None:
         return []
     gib = 1024**3

@@ -35,9 +35,15 @@ import aiohttp
 from lumend.assist.processes import draft_command
 from lumend.checkpoint.security import ENV_VAR as CKPT_KEYS_ENV
 from lumend.cluster.models import EngineInfo, WorkerRecord, WorkerState
-from lumend.config import WorkerConfig
+from lumend.config import VLLM_DEFAULT_UTILIZATION, WorkerConfig, computes_memory_split
 from lumend.engine.adapter import EngineAdapter, EngineLoad, EngineSpec
-from lumend.engine.vllm_memory import gpu_total_bytes, memory_utilization
+from lumend.engine.vllm_memory import (
+    default_kv_cache_bytes,
+    describe_kv_choice,
+    gpu_total_bytes,
+    memory_utilization,
+    weights_on_disk,
+)
 from lumend.failover.lifeline import kill_group, reap_orphans, supervisor_env
 
 log = logging.getLogger("lumend.failover")
@@ -186,8 +192,8 @@ class WorkerSupervisor:
                       self.adapter.kind, self.refused)
             await stop.wait()
             return
-        if self.adapter.gms_backend == "cuda" and self.worker.kv_cache_bytes:
-            self._gpu_total = await asyncio.to_thread(gpu_total_bytes, list(self.worker.gpus))
+        if self.adapter.gms_backend == "cuda":
+            await asyncio.to_thread(self.plan_memory)
         timeout = aiohttp.ClientTimeout(total=self.timing.probe_deadline_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             try:
@@ -258,6 +264,41 @@ class WorkerSupervisor:
             log.info("engine %s waits: %s (engines of a worker start one at a time)",
                      slot.spec.engine_id, why)
         return False
+
+    def plan_memory(self) -> None:
+        """On CUDA, before any engine starts: the GPUs' memory for _memory_plan, and for a
+        worker with shadows and no memory split the kv_cache_bytes lumend chooses, used
+        exactly as if configured. nvidia-smi only: lumend itself never initialises CUDA."""
+        computes = computes_memory_split(self.worker)
+        if not self.worker.kv_cache_bytes and not computes:
+            return
+        self._gpu_total = gpu_total_bytes(list(self.worker.gpus))
+        if not computes:
+            return
+        name, gpus, shadows = self.worker.name, len(self.worker.gpus), self.worker.shadows
+        default = (f"its {shadows + 1} engines start with vLLM's default "
+                   f"--gpu-memory-utilization {VLLM_DEFAULT_UTILIZATION:g}")
+        weights = weights_on_disk(self.worker.model)
+        if self._gpu_total is None or weights is None:
+            unknown = ("nvidia-smi reports no memory for its GPUs" if self._gpu_total is None
+                       else f"the size of model {self.worker.model!r} is unknown (not a local "
+                       "directory of weight files)")
+            log.warning("worker %s: no kv_cache_bytes set and lumend cannot choose one (%s): "
+                        "%s, which leaves a shadow no room; set kv_cache_bytes "
+                        "(examples/lumend.toml)", name, unknown, default)
+            return
+        shared = self.gms_socket is not None
+        try:
+            kv = default_kv_cache_bytes(self._gpu_total, weights, gpus, shadows,
+                                        weights_shared=shared)
+        except ValueError as exc:
+            log.error("worker %s: no kv_cache_bytes set, and none fits: %s; %s", name, exc,
+                      default)
+            return
+        log.info("worker %s: no kv_cache_bytes set: %s", name,
+                 describe_kv_choice(kv, self._gpu_total, weights, gpus, shadows, shared))
+        for slot in self.slots:
+            slot.spec = dataclasses.replace(slot.spec, kv_cache_bytes=kv)
 
     def _memory_plan(self, spec: EngineSpec) -> EngineSpec:
         """On a GPU with an explicit KV budget: the --gpu-memory-utilization that covers

