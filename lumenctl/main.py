@@ -813,15 +813,27 @@ async def _read_settings(c: Context, store: EtcdStore) -> ClusterSettings:
 
 @config_app.command("show")
 def config_show(ctx: typer.Context, output: Output | None = output_option()) -> None:
-    """Every setting, its value, whether it is the default, and what it does."""
+    """Every setting, its value, whether it is the default, and what it does; then the cost
+    figures cost-aware decisions use (restore bandwidth, prefill seconds per token): measured
+    from the workers' engines, as the coordinator measures them from the same records, or
+    the default constant until an engine has measured one."""
+    from lumend.coordinator.estimates import estimate
     from lumend.coordinator.settings import as_rows
 
     c = _context(ctx, output)
-    rows = as_rows(_run(c, lambda store: _read_settings(c, store)))
-    _emit(c, {"cluster": c.cluster, "settings": rows}, _settings_table)
+
+    async def read(store: EtcdStore) -> tuple[ClusterSettings, ClusterView]:
+        return await _read_settings(c, store), await _read_view(c, store)
+
+    settings, view = _run(c, read)
+    costs = estimate(view.workers.values())
+    _emit(c, {"cluster": c.cluster, "settings": as_rows(settings),
+              "costs_used": settings.decisions == "cost_aware",
+              "costs": costs.rows(time.time())}, _settings_table)
 
 
 def _settings_table(doc: dict[str, Any]) -> RenderableType:
+    from rich.console import Group
     from rich.table import Table
 
     table = Table(title=f"cluster {doc['cluster']}: policy settings")
@@ -831,7 +843,18 @@ def _settings_table(doc: dict[str, Any]) -> RenderableType:
         table.add_row(row["key"], f"{row['value']:g}" if isinstance(row["value"], float)
                       else str(row["value"]), "(default)" if row["default"] else "",
                       row["meaning"])
-    return table
+    if "costs" not in doc:
+        return table
+    used = "" if doc["costs_used"] else " (not used: decisions paper)"
+    costs = Table(title=f"cost model of cost-aware decisions{used}")
+    for column in ("key", "value", "source", "age", "meaning"):
+        costs.add_column(column)
+    for row in doc["costs"]:
+        source = (f"measured from {row['workers']} worker{'s' if row['workers'] != 1 else ''}"
+                  if row["source"] == "measured" else "default constant")
+        age = "" if row["age_s"] is None else f"{row['age_s']:.0f} s"
+        costs.add_row(row["key"], f"{row['value']:.4g}", source, age, row["meaning"])
+    return Group(table, costs)
 
 
 SETTINGS = ClusterSettings.__struct_fields__  # the keys of lumend.coordinator.settings
