@@ -59,11 +59,8 @@ def test_assist_is_opt_in_and_the_kv_budget_is_a_size() -> None:
      "args already set --speculative-config"),
     ('kv_cache_bytes = "1GiB"\nargs = ["--kv-cache-memory-bytes=5"]',
      "args already set --kv-cache-memory-bytes=5; keep one of them"),
-    # The gateway routes by the worker's model: an engine serving under another name would
-    # refuse what it is sent.
-    ('args = ["--served-model-name", "qwen"]',
-     "--served-model-name is not supported: LUMEN routes requests by the worker's model"),
-    ('args = ["--served-model-name=qwen"]', "set the worker's model to the name clients"),
+    # A --served-model-name without a name (the worker would serve under none).
+    ('args = ["--served-model-name"]', "needs a name after it"),
 ])
 def test_bad_worker_settings_name_the_key_and_the_fix(extra: str, says: str) -> None:
     found = problems(extra + "\n")
