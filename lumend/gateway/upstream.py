@@ -15,6 +15,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from lumend.gateway.quiet import QuietWatch
+
 log = logging.getLogger("lumend.gateway")
 
 
@@ -275,20 +277,23 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
     done = finished = False
     tokens = 0
     partial = b""
+
+    def limit() -> float:
+        return (END_WAIT_S if finished else timeouts.first_token_s if not tokens
+                else timeouts.inactivity_s)
+
+    watch = QuietWatch(limit)
     try:
         content = response.content
         while True:
-            # What arrived while the last batch was handed on needs no timer (a busy
-            # gateway's usual case; a timer costs as much as parsing a chunk).
             data = content.read_nowait()
             if not data:
-                wait = (END_WAIT_S if finished else timeouts.first_token_s if not tokens
-                        else timeouts.inactivity_s)
                 try:
-                    async with asyncio.timeout(wait):
-                        data = await content.readany()
-                except TimeoutError:
-                    raise StreamBroken(f"no token for {wait:g} s ("
+                    data = await content.readany()
+                except asyncio.CancelledError:
+                    if not watch.expired():
+                        raise
+                    raise StreamBroken(f"no token for {limit():g} s ("
                                        f"{'before the first' if not tokens else 'after'} "
                                        f"{tokens} tokens)") from None
             if not data:
@@ -313,6 +318,7 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
                     tokens += len(piece.token_ids) or bool(piece.text)
                     finished = finished or piece.finish_reason is not None
                     batch.append(piece)
+            watch.heard()  # after counting: the limit it reads may have changed
             if batch:
                 yield batch
             if done:
@@ -321,6 +327,7 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
     except aiohttp.ClientError as exc:
         raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
     finally:
+        watch.close()
         if done:
             _reuse(response)
         else:
