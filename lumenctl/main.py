@@ -790,8 +790,9 @@ def keys_generate(
 # -- config (cluster policy settings) ----------------------------------------------------
 
 config_app = typer.Typer(
-    help="Cluster-wide policy settings (etcd `config`): decisions, alpha, beta, theta, tau, "
-    "mode. The coordinator reads them every cycle, so a change applies to its next decisions.",
+    help="Cluster-wide policy settings (etcd `config`): decisions, costs, alpha, beta, theta, "
+    "tau, mode. The coordinator reads them every cycle, so a change applies to its next "
+    "decisions.",
     no_args_is_help=True,
 )
 app.add_typer(config_app, name="config")
@@ -814,11 +815,10 @@ async def _read_settings(c: Context, store: EtcdStore) -> ClusterSettings:
 @config_app.command("show")
 def config_show(ctx: typer.Context, output: Output | None = output_option()) -> None:
     """Every setting, its value, whether it is the default, and what it does; then the cost
-    figures cost-aware decisions use (restore bandwidth, prefill seconds per token): measured
-    from the workers' engines, as the coordinator measures them from the same records, or
-    the default constant until an engine has measured one."""
-    from lumend.coordinator.estimates import estimate
-    from lumend.coordinator.settings import as_rows
+    figures cost-aware decisions use (restore bandwidth, prefill seconds per token, KV bytes
+    per token): measured from the workers' engines, as the coordinator measures them from
+    the same records, or the default constant until an engine has measured one."""
+    from lumend.coordinator.settings import as_rows, costs_in_use
 
     c = _context(ctx, output)
 
@@ -826,7 +826,7 @@ def config_show(ctx: typer.Context, output: Output | None = output_option()) -> 
         return await _read_settings(c, store), await _read_view(c, store)
 
     settings, view = _run(c, read)
-    costs = estimate(view.workers.values())
+    costs = costs_in_use(settings, view.workers.values())
     _emit(c, {"cluster": c.cluster, "settings": as_rows(settings),
               "costs_used": settings.decisions == "cost_aware",
               "costs": costs.rows(time.time())}, _settings_table)

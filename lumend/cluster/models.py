@@ -36,8 +36,10 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # when it restarts), rounded to 8 significant bits so that their growth is not a write
     # per heartbeat. None: the engine does not export them. The coordinator turns them into
     # its cost estimates (lumend.coordinator.estimates): checkpoint bytes restored and the
-    # seconds those restores took; prompt tokens prefilled and the seconds prefills took.
+    # seconds those restores took (and the tokens whose KV they held); prompt tokens
+    # prefilled and the seconds prefills took.
     restored_bytes: int | None = None
+    restored_tokens: int | None = None
     restore_s: float | None = None
     prefill_tokens: int | None = None
     prefill_s: float | None = None
@@ -123,6 +125,9 @@ PolicyMode = Literal["lumen", "fixed_checkpoint", "stop_and_restart"]
 # How decisions are made (lumend.coordinator.settings): in seconds from the cost model, with
 # admission to the shortest queue (the default), or the paper's Algorithms 1-3 as published.
 Decisions = Literal["cost_aware", "paper"]
+# Where cost-aware decisions take their cost figures (lumend.coordinator.estimates): measured
+# by the engines where they are (the default), or PolicyConfig's constants only.
+Costs = Literal["measured", "constant"]
 
 
 class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -140,6 +145,7 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     mode: PolicyMode = "lumen"
     # cost_aware: alpha, beta, theta and tau are not used (the cost model's seconds instead).
     decisions: Decisions = "cost_aware"
+    costs: Costs = "measured"
 
 
 class AssistAssignment(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,9 +1,12 @@
 """The cost figures cost-aware decisions use, measured by the engines where they can be.
 
-Two figures of `PolicyConfig`'s cost model are measured:
+Three figures of `PolicyConfig`'s cost model are measured:
 * `restore_bytes_per_s`: checkpoint bytes restored / the seconds those restores took (both
   engine kinds count them where a resumed request loads its pages: lumend.engine
   .sim_checkpoint, lumend.engine.vllm_connector);
+* `kv_bytes_per_token`: those bytes / the tokens whose KV they held (the model's, not the
+  constant's: the policy turns a checkpointed prefix into bytes with it, so a restore's
+  estimated time is in the units the bandwidth was measured in);
 * `recompute_s_per_token`: prefill seconds / prompt tokens computed (vLLM's
   `vllm:request_prefill_time_seconds` and `vllm:prompt_tokens_by_source_total`; the sim
   engine exports no prefill time, so a cluster of sim engines keeps the default).
@@ -28,7 +31,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from lumend.cluster.models import WorkerRecord
+from lumend.cluster.models import WorkerLoad, WorkerRecord
 from lumend.coordinator.policy import PolicyConfig, in_seconds
 
 MIN_RESTORE_BYTES = 1 << 20  # 1 MiB: fewer bytes say more about latency than bandwidth
@@ -38,6 +41,7 @@ MIN_SECONDS = 1e-4
 # 1 s. Outside them a sample is a unit error or a broken clock, not a measurement.
 RESTORE_RANGE = (1e6, 1e13)
 PREFILL_RANGE = (1e-8, 1.0)
+KV_RANGE = (1.0, float(1 << 27))  # KV bytes of one token: up to 128 MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +51,8 @@ class Estimate:
     key: str  # the PolicyConfig field it sets
     value: float
     workers: int  # workers whose counters it is measured from; 0: the default constant
-    amount: float = 0.0  # bytes restored or tokens prefilled, summed over them
-    seconds: float = 0.0  # the seconds those took
+    amount: float = 0.0  # what they counted: bytes restored, or tokens prefilled
+    over: float = 0.0  # what it is divided by or divides: seconds (kv: tokens restored)
     at: float | None = None  # when the newest of those workers' records was written
 
     @property
@@ -66,45 +70,57 @@ class Estimate:
 class CostEstimates:
     restore: Estimate
     prefill: Estimate
+    kv: Estimate
+
+    @property
+    def all(self) -> tuple[Estimate, Estimate, Estimate]:
+        return (self.restore, self.prefill, self.kv)
 
     def apply(self, cfg: PolicyConfig) -> PolicyConfig:
         """`cfg` with the measured figures in place of its constants (and, cost-aware, its
         L_hat weights derived again from them, as `in_seconds` does)."""
-        if not (self.restore.measured or self.prefill.measured):
+        if not any(e.measured for e in self.all):
             return cfg
         cfg = replace(cfg, restore_bytes_per_s=self.restore.value if self.restore.measured
                       else cfg.restore_bytes_per_s,
                       recompute_s_per_token=self.prefill.value if self.prefill.measured
-                      else cfg.recompute_s_per_token)
+                      else cfg.recompute_s_per_token,
+                      kv_bytes_per_token=self.kv.value if self.kv.measured
+                      else cfg.kv_bytes_per_token)
         return in_seconds(cfg) if cfg.cost_aware else cfg
 
     def rows(self, now: float) -> list[dict[str, object]]:
         """One row per figure, for `lumenctl config show`: key, value, source (measured or
-        default), workers, amount and seconds measured, age (seconds since the newest record
-        it is measured from was written; None: the default), meaning."""
+        default), workers, what was measured (`amount` of `unit[0]` over `over` of
+        `unit[1]`), age (seconds since the newest record it is measured from was written;
+        None: the default), meaning."""
         return [{"key": e.key, "value": e.value, "source": "measured" if e.measured
-                 else "default", "workers": e.workers, "amount": e.amount,
-                 "seconds": e.seconds, "age_s": None if e.at is None else max(0.0, now - e.at),
-                 "meaning": MEANINGS[e.key]}
-                for e in (self.restore, self.prefill)]
+                 else "default", "workers": e.workers, "amount": e.amount, "over": e.over,
+                 "unit": UNITS[e.key], "age_s": None if e.at is None
+                 else max(0.0, now - e.at), "meaning": MEANINGS[e.key]}
+                for e in self.all]
 
     def differs(self, other: CostEstimates, by: float = 0.05) -> bool:
         """Whether a figure changed source or value by more than `by` (relative)."""
         return any(a.measured != b.measured or abs(a.value - b.value) > by * abs(b.value)
-                   for a, b in ((self.restore, other.restore), (self.prefill, other.prefill)))
+                   for a, b in zip(self.all, other.all, strict=True))
 
     def describe(self) -> str:
         """One line for the log: both figures and where they come from."""
         return (f"restore bandwidth {self.restore.value / 1e9:.3g} GB/s ({self.restore.source})"
-                f", prefill {self.prefill.value * 1e6:.3g} us per token "
-                f"({self.prefill.source})")
+                f", KV {self.kv.value / 1024:.4g} KiB per token ({self.kv.source}), prefill "
+                f"{self.prefill.value * 1e6:.3g} us per token ({self.prefill.source})")
 
 
+UNITS = {"restore_bytes_per_s": ("bytes", "s"), "recompute_s_per_token": ("tokens", "s"),
+         "kv_bytes_per_token": ("bytes", "tokens")}
 MEANINGS = {
     "restore_bytes_per_s": "restore bandwidth: checkpoint bytes loaded per second by a "
                            "resumed request (measured: bytes restored / seconds restoring)",
     "recompute_s_per_token": "prefill seconds per prompt token (measured: vLLM's prefill "
                              "time / prompt tokens computed)",
+    "kv_bytes_per_token": "KV cache bytes of one token, to turn a checkpointed prefix into "
+                          "bytes to restore (measured: bytes restored / their tokens)",
 }
 
 
@@ -118,26 +134,38 @@ def estimate(workers: Iterable[WorkerRecord], defaults: PolicyConfig | None = No
                       for w in records], MIN_RESTORE_BYTES, RESTORE_RANGE, per_second=True)
     prefill = _ratio([(w.load.prefill_tokens, w.load.prefill_s, w.updated_at)
                       for w in records], MIN_PREFILL_TOKENS, PREFILL_RANGE, per_second=False)
+    # Bytes per token from the same restores (a "rate" of bytes per token: per_second).
+    kv = _ratio([(w.load.restored_bytes, w.load.restored_tokens, w.updated_at)
+                 for w in records if _usable_restore(w.load)], MIN_RESTORE_BYTES, KV_RANGE,
+                per_second=True, min_seconds=1.0)
     return CostEstimates(
         restore=_estimate("restore_bytes_per_s", restore, cfg.restore_bytes_per_s,
                           per_second=True),
         prefill=_estimate("recompute_s_per_token", prefill, cfg.recompute_s_per_token,
-                          per_second=False))
+                          per_second=False),
+        kv=_estimate("kv_bytes_per_token", kv, cfg.kv_bytes_per_token, per_second=True))
+
+
+def _usable_restore(load: WorkerLoad) -> bool:
+    return _ratio([(load.restored_bytes, load.restore_s, 0.0)], MIN_RESTORE_BYTES,
+                  RESTORE_RANGE, per_second=True)[0] == 1
 
 
 Sums = tuple[int, float, float, float | None]
 
 
 def _ratio(samples: Iterable[tuple[float | None, float | None, float]], min_amount: float,
-           plausible: tuple[float, float], *, per_second: bool) -> Sums:
-    """(usable samples, their amounts' sum, their seconds' sum, the newest one's time)."""
+           plausible: tuple[float, float], *, per_second: bool,
+           min_seconds: float = MIN_SECONDS) -> Sums:
+    """(usable samples, their amounts' sum, their seconds' (or tokens') sum, the newest
+    one's time)."""
     n, amount, seconds = 0, 0.0, 0.0
     newest: float | None = None
     low, high = plausible
     for a, s, at in samples:
         if a is None or s is None or not (math.isfinite(a) and math.isfinite(s)):
             continue
-        if a < min_amount or s < MIN_SECONDS:
+        if a < min_amount or s < min_seconds:
             continue
         rate = a / s if per_second else s / a
         if not low <= rate <= high:

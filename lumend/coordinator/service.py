@@ -64,7 +64,7 @@ from lumend.coordinator.policy import (
     l_hat,
 )
 from lumend.coordinator.policy import recover as policy_recover
-from lumend.coordinator.settings import in_force, policy_config
+from lumend.coordinator.settings import costs_in_use, in_force, policy_config
 from lumend.rpc.messages import (
     Admission,
     CheckpointProgress,
@@ -154,7 +154,7 @@ class CoordinatorService:
         if view is None or view is self._costed:
             return view
         if view is not self._costed_from:
-            costs = estimate(view.workers.values())
+            costs = costs_in_use(view.settings, view.workers.values())
             if costs.differs(self.costs):
                 log.info("cost model: %s", costs.describe())
             self.costs = costs

@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import get_args
 
 import msgspec
 
-from lumend.cluster.models import ClusterSettings, Decisions, PolicyMode
-from lumend.coordinator.estimates import CostEstimates
+from lumend.cluster.models import ClusterSettings, Costs, Decisions, PolicyMode, WorkerRecord
+from lumend.coordinator.estimates import CostEstimates, estimate
 from lumend.coordinator.policy import Mode, PolicyConfig, in_seconds
 
 MODES: tuple[str, ...] = get_args(PolicyMode)
 DECISIONS: tuple[str, ...] = get_args(Decisions)
+COSTS: tuple[str, ...] = get_args(Costs)
 KEYS: dict[str, str] = {
     "alpha": "L_hat weight of one checkpoint byte held (a number >= 0; default 1/GiB; "
              "decisions paper only)",
@@ -42,6 +44,9 @@ KEYS: dict[str, str] = {
     "decisions": "cost_aware (admission to the shortest queue, placement and recovery by "
                  "estimated seconds) or paper (Algorithms 1-3 as published: L_hat, theta, "
                  "tau)",
+    "costs": "measured (cost-aware decisions use the restore bandwidth, KV bytes and "
+             "prefill cost the engines measure, where they have) or constant (the built-in "
+             "figures only)",
 }
 
 
@@ -62,6 +67,11 @@ def parse_setting(settings: ClusterSettings, key: str, text: str) -> ClusterSett
         if text not in DECISIONS:
             raise SettingError(f"decisions {text!r} is not a way of deciding; use one of "
                                f"{', '.join(DECISIONS)}")
+        value = text
+    elif key == "costs":
+        if text not in COSTS:
+            raise SettingError(f"costs {text!r} is not a source of cost figures; use one of "
+                               f"{', '.join(COSTS)}")
         value = text
     elif key == "tau":
         try:
@@ -100,6 +110,15 @@ class InForce(ClusterSettings, frozen=True, kw_only=True):
 
     restore_bytes_per_s: float | None = None
     recompute_s_per_token: float | None = None
+    kv_bytes_per_token: float | None = None
+
+
+def costs_in_use(settings: ClusterSettings | None, workers: Iterable[WorkerRecord]
+                 ) -> CostEstimates:
+    """The cost figures decisions use: measured from `workers`' counters, or (setting
+    `costs = constant`) the constants alone."""
+    s = settings or ClusterSettings()
+    return estimate(workers if s.costs == "measured" else ())
 
 
 def in_force(settings: ClusterSettings | None, costs: CostEstimates) -> InForce:
@@ -110,7 +129,8 @@ def in_force(settings: ClusterSettings | None, costs: CostEstimates) -> InForce:
                    restore_bytes_per_s=costs.restore.value if costs.restore.measured
                    else None,
                    recompute_s_per_token=costs.prefill.value if costs.prefill.measured
-                   else None)
+                   else None,
+                   kv_bytes_per_token=costs.kv.value if costs.kv.measured else None)
 
 
 def policy_config(settings: ClusterSettings | None) -> PolicyConfig:
@@ -119,13 +139,15 @@ def policy_config(settings: ClusterSettings | None) -> PolicyConfig:
         measured = s if isinstance(s, InForce) else None
         return _cost_aware(s.theta, s.tau, s.mode,
                            measured and measured.restore_bytes_per_s,
-                           measured and measured.recompute_s_per_token)
+                           measured and measured.recompute_s_per_token,
+                           measured and measured.kv_bytes_per_token)
     return PolicyConfig(alpha=s.alpha, beta=s.beta, theta=s.theta, tau=s.tau, mode=Mode(s.mode))
 
 
 @functools.lru_cache(maxsize=16)
 def _cost_aware(theta: float, tau: int, mode: str, restore_bytes_per_s: float | None = None,
-                recompute_s_per_token: float | None = None) -> PolicyConfig:
+                recompute_s_per_token: float | None = None,
+                kv_bytes_per_token: float | None = None) -> PolicyConfig:
     # Cached: the load book builds one per view (the config is frozen, so sharing is safe).
     # Measured figures change the record a worker writes in steps of 1/128 at most (its
     # counters' rounding), so a few entries cover a cluster's views.
@@ -135,6 +157,8 @@ def _cost_aware(theta: float, tau: int, mode: str, restore_bytes_per_s: float | 
         cfg = replace(cfg, restore_bytes_per_s=restore_bytes_per_s)
     if recompute_s_per_token is not None:
         cfg = replace(cfg, recompute_s_per_token=recompute_s_per_token)
+    if kv_bytes_per_token is not None:
+        cfg = replace(cfg, kv_bytes_per_token=kv_bytes_per_token)
     return in_seconds(cfg)
 
 

@@ -64,9 +64,11 @@ class EngineLoad:
     ckpt_running: int | None = None
     ckpt_complete: int | None = None
     # Cost counters since the engine started (None: not exported): checkpoint bytes
-    # restored and the seconds those restores took; prompt tokens prefilled (computed, not
-    # cached) and the seconds prefills took (vLLM's per-request prefill time).
+    # restored (and the tokens whose KV they held) and the seconds those restores took;
+    # prompt tokens prefilled (computed, not cached) and the seconds prefills took (vLLM's
+    # per-request prefill time).
     restored_bytes: int | None = None
+    restored_tokens: int | None = None
     restore_s: float | None = None
     prefill_tokens: int | None = None
     prefill_s: float | None = None
@@ -80,6 +82,8 @@ class EngineLoad:
             ckpt_running=self.ckpt_running, ckpt_complete=self.ckpt_complete,
             restored_bytes=None if self.restored_bytes is None
             else round_int(self.restored_bytes),
+            restored_tokens=None if self.restored_tokens is None
+            else round_int(self.restored_tokens),
             restore_s=None if self.restore_s is None else round_float(self.restore_s),
             prefill_tokens=None if self.prefill_tokens is None
             else round_int(self.prefill_tokens),
@@ -299,13 +303,15 @@ _COVERAGE = (CKPT_REQUESTS_RUNNING, CKPT_REQUESTS_COMPLETE)
 # `local_compute` source of prompt_tokens_by_source leaves out prefix-cache hits and tokens
 # loaded from a checkpoint; prompt_tokens_total, all of them, where it is absent).
 RESTORED_BYTES = ckpt_counter("restored_bytes") + "_total"
+RESTORED_TOKENS = ckpt_counter("restored_tokens") + "_total"
 RESTORE_SECONDS = ckpt_counter("restore_seconds") + "_total"
 PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", *_COVERAGE, *map(deprecated, _COVERAGE),
-                 RESTORED_BYTES, RESTORE_SECONDS, PREFILL_SECONDS, PROMPT_TOKENS,
+                 RESTORED_BYTES, RESTORED_TOKENS, RESTORE_SECONDS, PREFILL_SECONDS,
+                 PROMPT_TOKENS,
                  PROMPT_TOKENS_BY_SOURCE)
 
 
@@ -346,7 +352,7 @@ def parse_load(metrics_text: str) -> EngineLoad:
                 return value
         return None
 
-    restored = counter(RESTORED_BYTES)
+    restored, tokens = counter(RESTORED_BYTES), counter(RESTORED_TOKENS)
     prompt = counter(PROMPT_TOKENS_BY_SOURCE, PROMPT_TOKENS)
     return EngineLoad(
         running=int(values.get("vllm:num_requests_running", 0)),
@@ -355,6 +361,7 @@ def parse_load(metrics_text: str) -> EngineLoad:
         ckpt_running=optional(CKPT_REQUESTS_RUNNING),
         ckpt_complete=optional(CKPT_REQUESTS_COMPLETE),
         restored_bytes=None if restored is None else int(restored),
+        restored_tokens=None if tokens is None else int(tokens),
         restore_s=counter(RESTORE_SECONDS),
         prefill_tokens=None if prompt is None else int(prompt),
         prefill_s=counter(PREFILL_SECONDS),

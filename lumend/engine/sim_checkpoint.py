@@ -76,16 +76,19 @@ class CheckpointCounters:
     restored_tokens: int = 0
     restore_misses: int = 0  # resumed requests the holder had nothing for
     restore_mismatches: int = 0  # pages that were not what this engine computes
-    # Restores that loaded pages: their bytes, and the seconds from the LOOKUP to the last
-    # page checked (the whole restore a resumed request waits for). lumend reads them as
-    # `lumen_ckpt_restored_bytes_total` / `lumen_ckpt_restore_seconds_total` (`metric_lines`).
+    # Restores that loaded pages: their bytes, the tokens those pages hold, and the seconds
+    # from the first GET to the last page checked. lumend reads them as
+    # `lumen_ckpt_restored_{bytes,tokens}_total` and `lumen_ckpt_restore_seconds_total`
+    # (`metric_lines`).
     restored_bytes: int = 0
+    restored_kv_tokens: int = 0
     restore_seconds: float = 0.0
 
     def metric_lines(self) -> list[str]:
         """The restore counters in the Prometheus text format, under the names the vLLM
         connector exports them (lumend's load parse reads both kinds the same way)."""
         return [f"{ckpt_counter('restored_bytes')}_total {self.restored_bytes}",
+                f"{ckpt_counter('restored_tokens')}_total {self.restored_kv_tokens}",
                 f"{ckpt_counter('restore_seconds')}_total {self.restore_seconds!r}"]
 
 
@@ -202,11 +205,7 @@ class SimCheckpointer:
         """Tokens of `prompt` whose KV the holder has, verified; at least one token is left
         to compute (the step that yields the next token)."""
         await self.connect(plan)  # the request's FINISH goes through this connection
-        started = time.perf_counter()
         restored = await asyncio.to_thread(self._fetch, prompt, plan, request_id)
-        if restored:
-            self.counters.restored_bytes += restored // BLOCK_SIZE * self.page_bytes
-            self.counters.restore_seconds += time.perf_counter() - started
         restored = min(restored, len(prompt) - 1)
         self.counters.restored_tokens += restored
         return restored
@@ -220,17 +219,30 @@ class SimCheckpointer:
             if not matched:
                 self.counters.restore_misses += 1
                 return 0
+            started = time.perf_counter()
             pages = streamer.get_many(plan.ckpt_id, hashes[:matched])
+            usable = matched
             for index in range(matched):
                 if index >= len(pages) or not is_kv_page(pages[index].data, hashes[index],
                                                          self.page_bytes):
                     self.counters.restore_mismatches += 1
                     log.warning("checkpoint %s: block %d is missing or not this engine's KV; "
                                 "recomputing from there", plan.ckpt_id, index)
-                    return index * BLOCK_SIZE
-            return matched * BLOCK_SIZE
+                    usable = index
+                    break
+            if usable:
+                self._count_restore(usable, time.perf_counter() - started)
+            return usable * BLOCK_SIZE
         finally:
             streamer.close()
+
+    def _count_restore(self, blocks: int, seconds: float) -> None:
+        # As the vLLM connector counts it: from the first GET to the last page usable (the
+        # LOOKUP before, a round trip whatever the size, is not bandwidth). On the restore
+        # thread, as the miss and mismatch counts are.
+        self.counters.restored_bytes += blocks * self.page_bytes
+        self.counters.restored_kv_tokens += blocks * BLOCK_SIZE
+        self.counters.restore_seconds += seconds
 
     def close(self) -> None:
         def close_all() -> None:

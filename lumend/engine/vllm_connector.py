@@ -373,8 +373,11 @@ class LumenConnector(KVConnectorBase_V1):
             # first GET to the pages queued for the GPU (on CUDA the copy itself runs on,
             # and the forward waits for, a side stream: not counted). Ranks restore their
             # own pages in parallel: each counts its share of the wall time, so the sum over
-            # ranks is the restore's time and bytes / seconds the engine's bandwidth.
+            # ranks is the restore's time and bytes / seconds the engine's bandwidth (and
+            # its tokens, each rank holding every token's share, bytes / tokens its KV bytes
+            # per token).
             self.counters["restored_bytes"] += len(block_ids) * self._pages.page_nbytes
+            self.counters["restored_tokens"] += len(block_ids) * self._block_size / self._tp_size
             self.counters["restore_seconds"] += (time.perf_counter() - started) / self._tp_size
 
     def _fetch(self, load: LoadSpec, layout: PageLayout) -> list[Any]:
@@ -524,7 +527,7 @@ class LumenConnector(KVConnectorBase_V1):
 
 
 COUNTERS = ("blocks_saved", "blocks_dropped", "blocks_loaded", "load_failures", "lookup_hits",
-            "restored_bytes", "restore_seconds")
+            "restored_bytes", "restored_tokens", "restore_seconds")
 
 
 class LumenConnectorStats(KVConnectorStats):

@@ -16,10 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
 from lumenctl.demo import read_view
 from lumenctl.localcluster import LocalCluster
 from lumenctl.recovery import lumenctl
+from lumend.engine.sim_models import SIM_MODELS
 
 from ..gateway.test_gateway import chat_prompt, expected, stream
 from .conftest import wait_until
@@ -30,13 +32,17 @@ MakeCluster = Callable[..., LocalCluster]
 
 STREAMS = 12
 RESUMED = ("lumen_gateway_coordinated_total", '{call="recover"}')
+SIM_SMALL_KV_BYTES_PER_TOKEN = SIM_MODELS["sim-small"].kv_bytes_per_token
+
+
+def rows(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
+    doc = json.loads(lumenctl(cluster, "config", "show", "-o", "json"))
+    assert doc["costs_used"] is True  # decisions = cost_aware, the default
+    return {row["key"]: row for row in doc["costs"]}
 
 
 def restore_row(cluster: LocalCluster) -> dict[str, Any]:
-    doc = json.loads(lumenctl(cluster, "config", "show", "-o", "json"))
-    rows = {row["key"]: row for row in doc["costs"]}
-    assert doc["costs_used"] is True  # decisions = cost_aware, the default
-    return rows["restore_bytes_per_s"]  # type: ignore[no-any-return]
+    return rows(cluster)["restore_bytes_per_s"]
 
 
 async def streams_through_a_fault(cluster: LocalCluster) -> None:
@@ -101,9 +107,19 @@ def test_config_show_reports_the_restore_bandwidth_measured_by_resumes(
     # The survivor restored what the victim's requests had checkpointed on it: at least
     # MIN_RESTORE_BYTES (4 sim pages of 256 KiB), in real seconds on loopback.
     assert row["value"] > 0 and row["workers"] == 1, row
-    assert row["amount"] >= 1 << 20 and row["seconds"] > 0, row
-    assert row["value"] == row["amount"] / row["seconds"]
+    assert row["amount"] >= 1 << 20 and row["over"] > 0 and row["unit"] == ["bytes", "s"]
+    assert row["value"] == row["amount"] / row["over"]
+    # and the KV bytes of a token from the same restores: the sim model's, not the constant's
+    kv = rows(cluster)["kv_bytes_per_token"]
+    assert kv["source"] == "measured", kv
+    assert kv["value"] == pytest.approx(SIM_SMALL_KV_BYTES_PER_TOKEN, rel=1 / 64), kv
     assert row["age_s"] is not None and row["age_s"] >= 0
+    print(f"measured: {row['value'] / 1e6:.1f} MB/s ({row['amount']:.0f} bytes in "
+          f"{row['over']:.3f} s), {kv['value']:.0f} KV bytes per token")
     # The coordinator decides with the same figure (it logs the change).
     logs = "".join(p.read_text(errors="replace") for p in cluster.workdir.rglob("*.log"))
     assert "cost model: restore bandwidth" in logs and "measured from 1 worker" in logs
+    # The operator's switch back to the constants: the same records, the default again.
+    lumenctl(cluster, "config", "set", "costs", "constant", "--yes")
+    pinned = restore_row(cluster)
+    assert pinned["source"] == "default" and pinned["value"] == 25e9, pinned

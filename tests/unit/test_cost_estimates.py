@@ -15,7 +15,13 @@ from lumend.cluster.view import ClusterView
 from lumend.coordinator.estimates import MIN_RESTORE_BYTES, estimate
 from lumend.coordinator.policy import MEAN_PROMPT_TOKENS, PolicyConfig
 from lumend.coordinator.service import CoordinatorService
-from lumend.coordinator.settings import in_force, policy_config
+from lumend.coordinator.settings import (
+    SettingError,
+    costs_in_use,
+    in_force,
+    parse_setting,
+    policy_config,
+)
 from lumend.engine.adapter import EngineLoad, parse_load, round_float, round_int
 from lumend.engine.sim_checkpoint import CheckpointCounters
 from lumend.rpc.messages import CheckpointRef, RecoverAsk
@@ -35,8 +41,10 @@ def worker(name: str, at: float = 100.0, **load: float | None) -> WorkerRecord:
                         load=WorkerLoad(**load))  # type: ignore[arg-type]
 
 
-def restores(name: str, nbytes: float, seconds: float, at: float = 100.0) -> WorkerRecord:
-    return worker(name, at, restored_bytes=int(nbytes), restore_s=seconds)
+def restores(name: str, nbytes: float, seconds: float, at: float = 100.0,
+             tokens: int | None = None) -> WorkerRecord:
+    return worker(name, at, restored_bytes=int(nbytes), restore_s=seconds,
+                  restored_tokens=tokens)
 
 
 # -- the estimator -----------------------------------------------------------------------
@@ -57,6 +65,17 @@ def test_restore_bandwidth_is_the_ratio_of_sums() -> None:
     assert costs.restore.workers == 2 and costs.restore.source == "measured from 2 workers"
     assert costs.restore.at == 100.0  # the newest record it reads
     assert not costs.prefill.measured
+
+
+def test_kv_bytes_per_token_come_from_the_same_restores() -> None:
+    costs = estimate([restores("w0", 6 * GB, 2.0, tokens=200_000),
+                      restores("w1", 2 * GB, 2.0, tokens=50_000),
+                      # an absurd restore sample: its tokens are not counted either
+                      restores("w2", 4 * GB, 0.0, tokens=1)])
+    assert costs.kv.value == pytest.approx(8 * GB / 250_000) and costs.kv.workers == 2
+    assert costs.apply(policy_config(None)).kv_bytes_per_token == pytest.approx(32_000)
+    # engines of an older release count no tokens: the constant stays
+    assert not estimate([restores("w0", 6 * GB, 2.0)]).kv.measured
 
 
 def test_prefill_cost_is_seconds_per_token() -> None:
@@ -134,6 +153,17 @@ def test_policy_config_takes_the_measured_figures_in_force() -> None:
     assert paper.alpha == 1.0
 
 
+def test_costs_constant_keeps_the_constants_whatever_was_measured() -> None:
+    records = [restores("w0", 2 * GB, 1.0, tokens=100_000)]
+    assert costs_in_use(None, records).restore.measured  # the default: measured
+    constant = parse_setting(ClusterSettings(), "costs", "constant")
+    costs = costs_in_use(constant, records)
+    assert not any(e.measured for e in costs.all)
+    assert policy_config(in_force(constant, costs)).restore_bytes_per_s == 25e9
+    with pytest.raises(SettingError, match="use one of measured, constant"):
+        parse_setting(ClusterSettings(), "costs", "guessed")
+
+
 def test_the_coordinator_decides_with_what_its_view_measured() -> None:
     # A request interrupted on a0 with 20 blocks checkpointed on c0 (its KV: 84 MB). At the
     # default 25 GB/s restoring them beats recomputing 320 tokens on b0; at 10 MB/s, as c0's
@@ -184,9 +214,10 @@ def test_an_engine_without_the_counters_reports_none() -> None:
 
 
 def test_the_sim_engines_counters_read_back() -> None:
-    counters = CheckpointCounters(restored_bytes=3 << 20, restore_seconds=0.125)
+    counters = CheckpointCounters(restored_bytes=3 << 20, restored_kv_tokens=192,
+                                  restore_seconds=0.125)
     load = parse_load("\n".join(counters.metric_lines()))
-    assert (load.restored_bytes, load.restore_s) == (3 << 20, 0.125)
+    assert (load.restored_bytes, load.restored_tokens, load.restore_s) == (3 << 20, 192, 0.125)
 
 
 def test_the_record_carries_counters_rounded_to_eight_bits() -> None:
