@@ -133,6 +133,14 @@ def in_force(settings: ClusterSettings | None, costs: CostEstimates) -> InForce:
                    kv_bytes_per_token=costs.kv.value if costs.kv.measured else None)
 
 
+def measured_policy_config(settings: ClusterSettings | None,
+                           workers: Iterable[WorkerRecord]) -> PolicyConfig:
+    """The PolicyConfig a decision from a view uses: its settings, with the cost figures
+    measured from its workers (what the coordinator decides with, for callers that take
+    views one decision at a time, such as a degraded gateway)."""
+    return policy_config(in_force(settings, costs_in_use(settings, workers)))
+
+
 def policy_config(settings: ClusterSettings | None) -> PolicyConfig:
     s = settings or ClusterSettings()
     if s.decisions == "cost_aware":

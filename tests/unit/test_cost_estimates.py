@@ -19,6 +19,7 @@ from lumend.coordinator.settings import (
     SettingError,
     costs_in_use,
     in_force,
+    measured_policy_config,
     parse_setting,
     policy_config,
 )
@@ -162,6 +163,9 @@ def test_costs_constant_keeps_the_constants_whatever_was_measured() -> None:
     assert policy_config(in_force(constant, costs)).restore_bytes_per_s == 25e9
     with pytest.raises(SettingError, match="use one of measured, constant"):
         parse_setting(ClusterSettings(), "costs", "guessed")
+    # one call, as a caller deciding from a view at a time uses it
+    assert measured_policy_config(None, records).restore_bytes_per_s == pytest.approx(2 * GB)
+    assert measured_policy_config(constant, records).restore_bytes_per_s == 25e9
 
 
 def test_the_coordinator_decides_with_what_its_view_measured() -> None:
