@@ -850,8 +850,11 @@ def _settings_table(doc: dict[str, Any]) -> RenderableType:
     for column in ("key", "value", "source", "age", "meaning"):
         costs.add_column(column)
     for row in doc["costs"]:
+        held = row.get("held")
         source = (f"measured from {row['workers']} worker{'s' if row['workers'] != 1 else ''}"
-                  if row["source"] == "measured" else "default constant")
+                  if row["source"] == "measured" else
+                  f"default constant (measured {held['value']:.4g}, not used until "
+                  f"{held['waits_for']} is measured too)" if held else "default constant")
         age = "" if row["age_s"] is None else f"{row['age_s']:.0f} s"
         costs.add_row(row["key"], f"{row['value']:.4g}", source, age, row["meaning"])
     return Group(table, costs)

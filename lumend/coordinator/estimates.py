@@ -21,6 +21,14 @@ absurd (not finite, negative, or a rate outside the plausible range). Counters t
 back to 0 (an engine restarted, or a shadow took over) are a smaller sample, not a
 negative one. No usable sample: the default constant stays in use.
 
+The two speeds are used as a pair. A recovery decision weighs a restore (bandwidth) against
+a recompute (prefill seconds): with one of them measured on this hardware and the other a
+constant from another (the defaults are Qwen3-32B on A100s), the comparison says nothing,
+and it flips. On a cluster of sim engines, which export no prefill time, a loopback restore
+measured at 30-40 MB/s against the constant prefill made every recovery recompute. So a
+measured speed whose partner is not measured is shown (`held`) but not used until it is.
+The KV bytes per token are a fact of the model, not a speed: used whenever measured.
+
 The sums are over the engines' lifetimes, not a window: a bandwidth and a per-token cost are
 properties of the hardware and the model, which do not drift while an engine runs.
 """
@@ -54,6 +62,9 @@ class Estimate:
     amount: float = 0.0  # what they counted: bytes restored, or tokens prefilled
     over: float = 0.0  # what it is divided by or divides: seconds (kv: tokens restored)
     at: float | None = None  # when the newest of those workers' records was written
+    # A speed measured while its partner was not: the value measured, not used (`value` is
+    # the default constant until both are measured).
+    held: Estimate | None = None
 
     @property
     def measured(self) -> bool:
@@ -61,6 +72,10 @@ class Estimate:
 
     @property
     def source(self) -> str:
+        if self.held is not None:
+            return (f"default (measured {self.held.value:.4g} from {self.held.workers} "
+                    f"worker{'s' if self.held.workers != 1 else ''}, not used until "
+                    f"{PARTNER[self.key]} is measured too)")
         if not self.measured:
             return "default"
         return f"measured from {self.workers} worker{'s' if self.workers != 1 else ''}"
@@ -95,9 +110,14 @@ class CostEstimates:
         `unit[1]`), age (seconds since the newest record it is measured from was written;
         None: the default), meaning."""
         return [{"key": e.key, "value": e.value, "source": "measured" if e.measured
-                 else "default", "workers": e.workers, "amount": e.amount, "over": e.over,
-                 "unit": UNITS[e.key], "age_s": None if e.at is None
-                 else max(0.0, now - e.at), "meaning": MEANINGS[e.key]}
+                 else "held" if e.held is not None else "default", "workers": e.workers,
+                 "amount": e.amount, "over": e.over, "unit": UNITS[e.key],
+                 "age_s": None if e.at is None else max(0.0, now - e.at),
+                 "held": None if e.held is None else {
+                     "value": e.held.value, "workers": e.held.workers,
+                     "amount": e.held.amount, "over": e.held.over,
+                     "waits_for": PARTNER[e.key]},
+                 "meaning": MEANINGS[e.key]}
                 for e in self.all]
 
     def differs(self, other: CostEstimates, by: float = 0.05) -> bool:
@@ -112,6 +132,8 @@ class CostEstimates:
                 f"{self.prefill.value * 1e6:.3g} us per token ({self.prefill.source})")
 
 
+PARTNER = {"restore_bytes_per_s": "recompute_s_per_token",
+           "recompute_s_per_token": "restore_bytes_per_s"}
 UNITS = {"restore_bytes_per_s": ("bytes", "s"), "recompute_s_per_token": ("tokens", "s"),
          "kv_bytes_per_token": ("bytes", "tokens")}
 MEANINGS = {
@@ -138,11 +160,17 @@ def estimate(workers: Iterable[WorkerRecord], defaults: PolicyConfig | None = No
     kv = _ratio([(w.load.restored_bytes, w.load.restored_tokens, w.updated_at)
                  for w in records if _usable_restore(w.load)], MIN_RESTORE_BYTES, KV_RANGE,
                 per_second=True, min_seconds=1.0)
+    restore_e = _estimate("restore_bytes_per_s", restore, cfg.restore_bytes_per_s,
+                          per_second=True)
+    prefill_e = _estimate("recompute_s_per_token", prefill, cfg.recompute_s_per_token,
+                          per_second=False)
+    if restore_e.measured != prefill_e.measured:  # the speeds are used as a pair
+        if restore_e.measured:
+            restore_e = Estimate(restore_e.key, cfg.restore_bytes_per_s, 0, held=restore_e)
+        else:
+            prefill_e = Estimate(prefill_e.key, cfg.recompute_s_per_token, 0, held=prefill_e)
     return CostEstimates(
-        restore=_estimate("restore_bytes_per_s", restore, cfg.restore_bytes_per_s,
-                          per_second=True),
-        prefill=_estimate("recompute_s_per_token", prefill, cfg.recompute_s_per_token,
-                          per_second=False),
+        restore=restore_e, prefill=prefill_e,
         kv=_estimate("kv_bytes_per_token", kv, cfg.kv_bytes_per_token, per_second=True))
 
 

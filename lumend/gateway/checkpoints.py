@@ -17,7 +17,7 @@ from lumend.coordinator.policy import (
     queued_prefill_s,
 )
 from lumend.coordinator.policy import recover as policy_recover
-from lumend.coordinator.settings import policy_config
+from lumend.coordinator.settings import measured_policy_config
 
 BLOCK_TOKENS = 16
 
@@ -56,7 +56,7 @@ def _snapshot(view: ClusterView, down: str | None, cfg: PolicyConfig
 def place(view: ClusterView, serving: str, ckpt_id: str,
           cfg: PolicyConfig | None = None) -> Placement | None:
     """Algorithm 1 (or the configured baseline) for a request served by `serving`."""
-    cfg = cfg or policy_config(view.settings)
+    cfg = cfg or measured_policy_config(view.settings, view.workers.values())
     names, snapshot = _snapshot(view, None, cfg)
     if serving not in names:
         return None
@@ -72,7 +72,7 @@ def route(view: ClusterView, placement: Placement | None, broken: str, prefix_to
           cfg: PolicyConfig | None = None) -> tuple[str, bool] | None:
     """Algorithm 2 (or the baseline) for a request whose worker `broken` failed: the worker
     to continue on and whether to resume there from the checkpoint."""
-    cfg = cfg or policy_config(view.settings)
+    cfg = cfg or measured_policy_config(view.settings, view.workers.values())
     names, snapshot = _snapshot(view, broken, cfg)
     holder = (names.index(placement.worker)
               if placement is not None and placement.worker in names else None)

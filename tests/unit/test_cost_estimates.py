@@ -43,9 +43,14 @@ def worker(name: str, at: float = 100.0, **load: float | None) -> WorkerRecord:
 
 
 def restores(name: str, nbytes: float, seconds: float, at: float = 100.0,
-             tokens: int | None = None) -> WorkerRecord:
+             tokens: int | None = None, prefill: float | None = 2e-4) -> WorkerRecord:
+    """A worker whose engine restored `nbytes` in `seconds` and, as a vLLM engine does,
+    measured its prefill (`prefill` seconds per token over 100 000 tokens; None: a sim
+    engine's, which measures none)."""
+    measured = {} if prefill is None else {"prefill_tokens": 100_000,
+                                           "prefill_s": prefill * 100_000}
     return worker(name, at, restored_bytes=int(nbytes), restore_s=seconds,
-                  restored_tokens=tokens)
+                  restored_tokens=tokens, **measured)
 
 
 # -- the estimator -----------------------------------------------------------------------
@@ -65,7 +70,7 @@ def test_restore_bandwidth_is_the_ratio_of_sums() -> None:
     assert costs.restore.value == pytest.approx(2 * GB)
     assert costs.restore.workers == 2 and costs.restore.source == "measured from 2 workers"
     assert costs.restore.at == 100.0  # the newest record it reads
-    assert not costs.prefill.measured
+    assert costs.prefill.value == pytest.approx(2e-4) and costs.prefill.workers == 2
 
 
 def test_kv_bytes_per_token_come_from_the_same_restores() -> None:
@@ -80,7 +85,8 @@ def test_kv_bytes_per_token_come_from_the_same_restores() -> None:
 
 
 def test_prefill_cost_is_seconds_per_token() -> None:
-    costs = estimate([worker("w0", prefill_tokens=10_000, prefill_s=1.5),
+    restored = {"restored_bytes": 2_000_000_000, "restore_s": 1.0}  # its partner speed
+    costs = estimate([worker("w0", prefill_tokens=10_000, prefill_s=1.5, **restored),
                       worker("w1", prefill_tokens=30_000, prefill_s=2.5)])
     assert costs.prefill.value == pytest.approx(4.0 / 40_000)
     assert costs.prefill.source == "measured from 2 workers"
@@ -122,7 +128,7 @@ def test_a_view_with_no_new_restore_keeps_the_last_value() -> None:
 
 
 def test_apply_replaces_the_constants_and_the_weights_derived_from_them() -> None:
-    costs = estimate([restores("w0", 5 * GB, 1.0),
+    costs = estimate([restores("w0", 5 * GB, 1.0, prefill=None),
                       worker("w1", prefill_tokens=10_000, prefill_s=3.0)])
     cost_aware = policy_config(None)
     applied = costs.apply(cost_aware)
@@ -139,6 +145,30 @@ def test_differs_by_more_than_five_percent_or_source() -> None:
     assert a.differs(estimate([]))
 
 
+def test_a_speed_measured_alone_is_held_until_its_partner_is_measured() -> None:
+    # A sim cluster: restores measured (loopback, slow), no prefill time exported. Weighing
+    # the measured restore against the constant prefill (another machine's) would flip
+    # every recovery to recompute; the pair stays the constants, the restore is shown held.
+    sim = estimate([restores("w0", 40e6, 1.0, tokens=2_500, prefill=None)])
+    assert not sim.restore.measured and sim.restore.value == DEFAULT.restore_bytes_per_s
+    assert sim.restore.held is not None and sim.restore.held.value == pytest.approx(40e6)
+    assert "not used until recompute_s_per_token is measured" in sim.restore.source
+    assert sim.kv.measured and sim.kv.value == pytest.approx(16_000)  # a fact: used
+    [row] = [r for r in sim.rows(100.0) if r["key"] == "restore_bytes_per_s"]
+    assert row["source"] == "held" and row["held"] == {
+        "value": pytest.approx(40e6), "workers": 1, "amount": 40e6, "over": 1.0,
+        "waits_for": "recompute_s_per_token"}
+    cfg = sim.apply(policy_config(None))
+    assert cfg.restore_bytes_per_s == DEFAULT.restore_bytes_per_s
+    assert cfg.kv_bytes_per_token == pytest.approx(16_000)
+    # and the other way round: prefill measured, no restore yet
+    fresh = estimate([worker("w0", prefill_tokens=100_000, prefill_s=30.0)])
+    assert not fresh.prefill.measured and fresh.prefill.held is not None
+    # both measured: both used
+    both = estimate([restores("w0", 40e6, 1.0, prefill=3e-4)])
+    assert both.restore.value == pytest.approx(40e6) and both.prefill.value == 3e-4
+
+
 # -- the settings a coordinator decides with ----------------------------------------------
 
 def test_policy_config_takes_the_measured_figures_in_force() -> None:
@@ -146,7 +176,7 @@ def test_policy_config_takes_the_measured_figures_in_force() -> None:
     cfg = policy_config(in_force(ClusterSettings(theta=7.0), costs))
     assert cfg.restore_bytes_per_s == pytest.approx(2 * GB)
     assert cfg.alpha == pytest.approx(1 / (2 * GB)) and cfg.theta == 7.0
-    assert cfg.recompute_s_per_token == DEFAULT.recompute_s_per_token  # not measured
+    assert cfg.recompute_s_per_token == pytest.approx(2e-4)
     # control: the stored settings alone keep the constant
     assert policy_config(ClusterSettings(theta=7.0)).restore_bytes_per_s == 25e9
     # decisions = paper: alpha and beta are the operator's, whatever was measured
@@ -180,13 +210,18 @@ def test_the_coordinator_decides_with_what_its_view_measured() -> None:
     service = CoordinatorService("a", 1, lambda: views[-1])
     ask = RecoverAsk("r", "a0", 320, "", CheckpointRef("ck", "c0", "tcp://c:7441"), "gw")
     assert service.recover(ask).resume  # control: the default constant
-    views.append(view(WorkerLoad(restored_bytes=50_000_000, restore_s=5.0)))
+    views.append(view(WorkerLoad(restored_bytes=50_000_000, restore_s=5.0,
+                                 prefill_tokens=100_000, prefill_s=10.0)))
     costed = service._read()
     assert service._read() is costed  # once per view: the load book's columns are cached
     assert service.book.columns(costed).cfg.restore_bytes_per_s == pytest.approx(1e7)
     assert service.costs.restore.workers == 1
     slow = service.recover(dataclasses.replace(ask, request_id="r2"))
     assert not slow.resume and "recompute" in slow.reason, slow.reason
+    # control: the same slow restores with no prefill measured (a sim engine's) are held,
+    # and the request resumes as with the constants
+    views.append(view(WorkerLoad(restored_bytes=50_000_000, restore_s=5.0)))
+    assert service.recover(dataclasses.replace(ask, request_id="r3")).resume
 
 
 # -- an engine's /metrics into the worker's record ----------------------------------------
