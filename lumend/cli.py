@@ -10,13 +10,7 @@ from pathlib import Path
 import typer
 
 from lumend import __version__
-from lumend.config import (
-    DEFAULT_CONFIG_PATH,
-    ConfigError,
-    NodeConfig,
-    load_config,
-    served_name_warnings,
-)
+from lumend.config import DEFAULT_CONFIG_PATH, ConfigError, NodeConfig, load_config
 from lumend.engine.vllm_memory import looks_like_path, weights_on_disk
 
 app = typer.Typer(
@@ -38,8 +32,7 @@ def check_config(
         False, "--strict", help="Warnings are errors (exit 2): a model path that does not "
         "exist or that this user cannot read, an unsupported vLLM, GPU engines with no "
         "memory split that lumend cannot compute here (from nvidia-smi and the model's "
-        "weight files) or that do not fit together, a --served-model-name of several names "
-        "(only the first is routed). The Ansible role checks "
+        "weight files) or that do not fit together. The Ansible role checks "
         "with --strict, so a node without its models fails the deploy."),
 ) -> None:
     """Validate a node config: exit 0 when valid, 2 with every problem listed when not.
@@ -47,13 +40,11 @@ def check_config(
     draft_model that is a path (absolute, or starting with ./ or ~) exists and is readable
     by the user running the check (run it as lumend's user), a vLLM lumend supports, and on
     a GPU host that each vLLM worker with shadows has a memory split that fits its GPUs
-    (set, or the kv_cache_bytes lumend will compute, printed), and that no worker's
-    --served-model-name gives names LUMEN would not route."""
+    (set, or the kv_cache_bytes lumend will compute, printed)."""
     config = load_config_or_exit(path)
     from lumend.engine.vllm_version import vllm_worker_warnings  # metadata only, no vLLM
 
     warnings = model_path_warnings(config)
-    warnings += served_name_warnings(config)
     warnings += vllm_worker_warnings([(w.name, w.engine) for w in config.workers])
     notes, memory = memory_checks(config)
     warnings += memory

@@ -931,8 +931,8 @@ class _Worker:
     gpus: list[int]
     ports: range | None
     model: str | None
-    served: str | None  # the name it serves under (None: its model or args are bad)
-    served_key: str  # where that name comes from: "args" (--served-model-name) or "model"
+    served: tuple[str, ...]  # the names it serves under (none: its model or args are bad)
+    served_key: str  # where they come from: "args" (--served-model-name) or "model"
 
     def __str__(self) -> str:
         return self.table.path if self.name is None else f'{self.table.path} "{self.name}"'
@@ -982,15 +982,15 @@ def _check_worker(table: _Table) -> _Worker:
 
 
 def _check_served_name(table: _Table, args: list[str],
-                       model: str | None) -> tuple[str | None, str]:
-    """The name the worker serves under (WorkerConfig.served_name) and the key it comes
-    from; None when its args give --served-model-name without a name or its model is bad."""
+                       model: str | None) -> tuple[tuple[str, ...], str]:
+    """The names the worker serves under (WorkerConfig.served_names) and the key they come
+    from; none when its args give --served-model-name without a name or its model is bad."""
     try:
         names = served_model_names(args)
     except ValueError as exc:
         table.problem("args", args, str(exc))
-        return None, "args"
-    return (names[0], "args") if names else (model, "model")
+        return (), "args"
+    return (names, "args") if names else (() if model is None else (model,), "model")
 
 
 def gpu_memory_utilization(args: list[str]) -> float | None:
@@ -1185,36 +1185,24 @@ def _check_unique_names(workers: list[_Worker]) -> None:
 
 
 def _check_served_names(workers: list[_Worker]) -> None:
-    """Workers that serve under one name must load one model: the gateway routes a request
-    for that name to any of them, and checkpoints and drafts move between them."""
+    """Workers that serve under one name (first or other) must load one model: the gateway
+    routes a request for that name to any of them, and checkpoints and drafts move between
+    them."""
     first: dict[str, _Worker] = {}
     for worker in workers:
-        if worker.served is None or worker.model is None:
+        if worker.model is None:
             continue
-        owner = first.setdefault(worker.served, worker)
-        if owner is worker or owner.model == worker.model:
-            continue
-        value = worker.table.values.get(worker.served_key, worker.served)
-        worker.table.problem(worker.served_key, value, (
-            f"{worker} serves as {worker.served!r} like {owner}, but loads "
-            f"{worker.model!r}, not {owner.model!r}: the gateway would route requests for "
-            f"{worker.served!r} to both as one model; give one of them another "
-            f"--served-model-name in its args, or load the same model in both"))
-
-
-def served_name_warnings(config: NodeConfig) -> list[str]:
-    """For `lumend check-config`: workers whose --served-model-name gives more than one
-    name. The engines serve them all, but the cluster knows a worker by its first only."""
-    found = []
-    for worker in config.workers:
-        first, *more = worker.served_names
-        if more:
-            others = ", ".join(repr(n) for n in more)
-            found.append(f"workers {worker.name!r}: --served-model-name gives "
-                         f"{len(worker.served_names)} names; LUMEN routes, lists in "
-                         f"/v1/models and matches checkpoints by the first, {first!r}, only: "
-                         f"the gateway answers 404 to requests for {others}; give one name")
-    return found
+        for name in worker.served:
+            owner = first.setdefault(name, worker)
+            if owner is worker or owner.model == worker.model:
+                continue
+            value = worker.table.values.get(worker.served_key, name)
+            worker.table.problem(worker.served_key, value, (
+                f"{worker} serves as {name!r} like {owner}, but loads {worker.model!r}, not "
+                f"{owner.model!r}: the gateway would route requests for {name!r} to both as "
+                f"one model; give one of them another --served-model-name in its args, or "
+                f"load the same model in both"))
+            break
 
 
 def _check_shared_gpus(workers: list[_Worker]) -> None:

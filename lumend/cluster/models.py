@@ -81,8 +81,11 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     gpus: list[int]
     engine: str
-    model: str
+    model: str  # the name it serves under (its first --served-model-name, else its model)
     state: WorkerState
+    # Its other served names (--served-model-name's after the first): routed to it as well,
+    # as the model it is, and listed in /v1/models.
+    aliases: list[str] = []
     engines: list[EngineInfo] = []
     load: WorkerLoad = WorkerLoad()
     checkpoints: CheckpointUsage = CheckpointUsage()

@@ -590,7 +590,8 @@ class WorkerSupervisor:
     def record(self) -> WorkerRecord:
         return WorkerRecord(
             name=self.worker.name, node=self.node, gpus=list(self.worker.gpus),
-            engine=self.worker.engine, model=self.worker.served_name, state=self.worker_state(),
+            engine=self.worker.engine, model=self.worker.served_name,
+            aliases=list(self.worker.served_names[1:]), state=self.worker_state(),
             engines=[
                 EngineInfo(id=s.spec.engine_id, role="active" if s.state == "active"
                            else "shadow", state=s.state, pid=s.proc.pid if s.alive and s.proc

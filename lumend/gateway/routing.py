@@ -56,4 +56,16 @@ def choose_worker(
 
 
 def models(view: ClusterView) -> list[str]:
-    return sorted({w.model for w in view.workers.values()})
+    """Every name the cluster serves under: workers' served names and their aliases."""
+    return sorted({name for w in view.workers.values() for name in (w.model, *w.aliases)})
+
+
+def served_as(view: ClusterView, name: str) -> str | None:
+    """The served name (a worker record's `model`) a request for `name` routes to: `name`
+    itself when a worker serves under it, else the worker's whose alias it is; None when no
+    worker serves it. Requests go on under that name, which the engine answers as vLLM does
+    (an alias's responses carry the first served name)."""
+    workers = view.workers.values()
+    if any(w.model == name for w in workers):
+        return name
+    return next((w.model for w in workers if name in w.aliases), None)

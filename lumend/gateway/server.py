@@ -48,7 +48,7 @@ from lumend.gateway.resume import (
     pending_text,
 )
 from lumend.gateway.resume import plan as resume_plan
-from lumend.gateway.routing import Target, choose_worker, drained, models
+from lumend.gateway.routing import Target, choose_worker, drained, models, served_as
 from lumend.gateway.stops import StopScan
 from lumend.gateway.upstream import (
     EngineError,
@@ -238,9 +238,13 @@ class Gateway:
                 raise ApiError(503, "the gateway has not read the cluster yet; retry shortly",
                                "unavailable")
             model = req.model
-            if model is not None and model not in models(view):
-                raise ApiError(404, f"model {model!r} is not served by this cluster; "
-                               f"GET /v1/models lists them", "not_found_error", "model")
+            if model is not None:
+                served = served_as(view, model)
+                if served is None:
+                    raise ApiError(404, f"model {model!r} is not served by this cluster; "
+                                   f"GET /v1/models lists them", "not_found_error", "model")
+                if served != model:  # an alias: on under the name its workers go by
+                    req.body["model"] = served
             if len(self._upstreams) >= self.timing.max_streams:
                 raise ApiError(503, f"the gateway has {len(self._upstreams)} engine streams "
                                "open, its limit ([gateway] max_streams); retry shortly",

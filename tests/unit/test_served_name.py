@@ -8,15 +8,12 @@ from typing import Any
 
 import pytest
 
-from lumend.config import (
-    NodeConfig,
-    WorkerConfig,
-    parse_config,
-    served_model_names,
-    served_name_warnings,
-)
+from lumend.cluster.models import WorkerRecord
+from lumend.cluster.view import ClusterView
+from lumend.config import WorkerConfig, parse_config, served_model_names
 from lumend.engine.adapter import VllmAdapter
 from lumend.failover.supervisor import WorkerSupervisor
+from lumend.gateway.routing import models, served_as
 
 from .test_config import config_text, problem_at, problems_of, worker
 
@@ -114,32 +111,30 @@ def test_replicas_of_one_model_may_share_a_served_name() -> None:
     assert [w.served_name for w in config.workers] == ["qwen", "qwen"]
 
 
-def test_extra_names_are_served_but_only_the_first_is_routed_and_that_is_warned() -> None:
+def test_extra_names_are_the_records_aliases_routed_as_the_first(tmp_path: Path) -> None:
     w = only_worker("--served-model-name", "qwen", "qwen3", "q")
     assert w.served_names == ("qwen", "qwen3", "q") and w.served_name == "qwen"
-    config = NodeConfig(node=parse_config(config_text()).node,
-                        etcd=parse_config(config_text()).etcd, workers=[w])
-    [warning] = served_name_warnings(config)
-    assert "workers 'w0'" in warning and "by the first, 'qwen', only" in warning
-    assert "404 to requests for 'qwen3', 'q'" in warning
-    assert served_name_warnings(parse_config(config_text(workers=[vllm()]))) == []
+    supervisor = WorkerSupervisor("n1", w, VllmAdapter(cuda=False),
+                                  runtime_dir=tmp_path / "run", log_dir=tmp_path / "logs")
+    record = supervisor.record()
+    assert record.model == "qwen" and record.aliases == ["qwen3", "q"]
+    other = WorkerRecord(name="w1", node="n2", gpus=[0], engine="vllm", model="llama",
+                         state="serving", updated_at=0.0)
+    view = ClusterView("c", 1, workers={"w0": record, "w1": other})
+    assert models(view) == ["llama", "q", "qwen", "qwen3"]  # /v1/models lists every name
+    assert [served_as(view, n) for n in ("qwen", "qwen3", "q", "llama", QWEN)] == [
+        "qwen", "qwen", "qwen", "llama", None]
+    # control: one name, no aliases
+    assert WorkerSupervisor("n1", only_worker("--served-model-name", "qwen"),
+                            VllmAdapter(cuda=False), runtime_dir=tmp_path / "r2",
+                            log_dir=tmp_path / "l2").record().aliases == []
 
 
-def test_check_config_warns_of_extra_names_and_strict_fails(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    path = tmp_path / "lumend.toml"
-    model = tmp_path / "Qwen3-32B"
-    model.mkdir()  # no warning about a missing model path to blur the one checked here
-    path.write_text(config_text(workers=[vllm(model=str(model), args=[
-        "--served-model-name", "qwen3-32b", "qwen3"])]))
-
-    def check(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "lumend", "check-config", *flags,
-                               str(path)], capture_output=True, text=True, timeout=60)
-
-    loose = check()
-    assert loose.returncode == 0, loose.stderr
-    assert "--served-model-name gives 2 names" in loose.stderr and "'qwen3'" in loose.stderr
-    assert check("--strict").returncode == 2
+def test_an_alias_serving_another_model_collides_too() -> None:
+    text = config_text(workers=[
+        vllm("a", 8100, [0], args=["--served-model-name", "qwen", "fast"]),
+        vllm("b", 8200, [1], model="/models/Qwen3-8B",
+             args=["--served-model-name", "small", "fast"]),
+    ])
+    [problem] = problems_of(text)
+    assert problem.key == "workers[1].args" and "serves as 'fast'" in problem.fix
