@@ -19,23 +19,11 @@ from lumend.engine.vllm_gms_worker import CPU_WORKER_CLS
 from lumend.engine.vllm_memory import memory_utilization
 from lumend.engine.vllm_version import SUPPORTED, vllm_problem
 
+from .test_memory_split import NODE as NODE_TEMPLATE
+
 GiB = 1024**3
 
-NODE = """
-[node]
-name = "n1"
-address = "10.0.0.1"
-[etcd]
-endpoints = ["http://10.0.0.1:2379"]
-[checkpoint]
-insecure = true
-[[workers]]
-name = "w0"
-gpus = [0]
-engine = "vllm"
-model = "/models/m"
-port = 8100
-"""
+NODE = NODE_TEMPLATE.format(gpus="[0]", model="/models/m")
 
 
 def problems(extra: str) -> list[str]:
