@@ -398,42 +398,64 @@ def gateway_counter(node: LumendNode, name: str) -> dict[str, float]:
     return {label: float(n) for label, n in found}
 
 
-async def open_streams_one_by_one(
-        session: aiohttp.ClientSession, gateway_node: LumendNode, all_cases: list[Case],
-        worker: str) -> tuple[list[asyncio.Task[Result]], list[list[int]], list[int]]:
-    """Start the cases one at a time, each seen opening on a worker (the gateway's count):
-    their tasks, their tokens-seen counters, and the cases whose stream opened on `worker`."""
+# How long a frozen engine is watched: its streams stand still, the other engine's move (tens
+# of tokens a second here). Well inside lumend's hung-engine limit (3 probes x 2 s).
+SETTLE_S = 0.3  # what the engine sent before the freeze reaches the client first
+FREEZE_S = 0.8
+
+
+@dataclass
+class Kill:
+    broken: list[int]  # the watched streams the kill broke (cases' indexes)
+    open_there: float  # streams the gateway had open on the engine's worker at the kill
+
+
+def start_streams(session: aiohttp.ClientSession, base: str, all_cases: list[Case]
+                  ) -> tuple[list[asyncio.Task[Result]], list[list[int]], dict[int, int]]:
+    """Every case started at once: their tasks, tokens-seen counters, and the tokens each
+    watched stream is to have before a kill (streams without ids count chunks: with
+    speculative decoding a chunk carries up to 4 tokens)."""
     seen = [[0] for _ in all_cases]
-    tasks: list[asyncio.Task[Result]] = []
-    mine: list[int] = []
-    for i, case in enumerate(all_cases):
-        was = await asyncio.to_thread(streams_by_worker, gateway_node)
-        tasks.append(asyncio.create_task(run(session, gateway_node.gateway, case, seen[i])))
-        deadline = time.monotonic() + 120
-        while True:
-            now = await asyncio.to_thread(streams_by_worker, gateway_node)
-            if sum(now.values()) > sum(was.values()) or tasks[-1].done():
-                break
-            assert time.monotonic() < deadline, f"{case.name} opened on no worker"
-            await asyncio.sleep(0.05)
-        if now.get(worker, 0) > was.get(worker, 0):
-            mine.append(i)
-    return tasks, seen, mine
+    tasks = [asyncio.create_task(run(session, base, c, seen[i]))
+             for i, c in enumerate(all_cases)]
+    wanted = {i: KILL_AFTER if c.body.get("return_token_ids") else KILL_AFTER // 4
+              for i, c in enumerate(all_cases) if c.watch and c.body.get("stream")}
+    return tasks, seen, wanted
 
 
-async def until_watched_streams_have_tokens(all_cases: list[Case], seen: list[list[int]],
-                                            mine: list[int], worker: str) -> None:
-    """Wait until every watched stream among `mine` has its tokens before a kill. Streams
-    without ids count chunks, and with speculative decoding a chunk carries up to 4 tokens
-    (a 300-token stream can end in under 64 chunks)."""
-    watched = [i for i in mine if all_cases[i].watch and all_cases[i].body.get("stream")]
-    assert watched, f"no watched stream on {worker}: the cases there {mine}"
-    wanted = {i: KILL_AFTER if all_cases[i].body.get("return_token_ids") else KILL_AFTER // 4
-              for i in watched}
+async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
+                          tasks: list[asyncio.Task[Result]], seen: list[list[int]],
+                          wanted: dict[int, int]) -> Kill:
+    """SIGKILL the engine whose process group is `pid` while watched streams it serves are
+    open and each has its tokens. Which stream lands on which engine, and how fast each runs,
+    no test controls: waits on token counts alone lost that race both ways in CI (the
+    victim's streams had ended before the kill, or had no full block yet). So the engine is
+    frozen (SIGSTOP) to look: the open streams that stand still while it is frozen are its
+    own. If there are some and each has its tokens, it dies frozen; else it runs on a
+    little and is looked at again."""
     deadline = time.monotonic() + 300
-    while any(seen[i][0] < wanted[i] for i in watched):
-        assert time.monotonic() < deadline, f"streams too slow: {seen}"
-        await asyncio.sleep(0.02)
+    looks = 0
+    while True:
+        assert time.monotonic() < deadline, f"no moment to kill {worker}: tokens {seen}"
+        assert not all(t.done() for t in tasks), f"every stream ended: {seen}"
+        running = await asyncio.to_thread(streams_by_worker, gateway_node)
+        if not running.get(worker) or max(seen[i][0] for i in wanted) < min(wanted.values()):
+            await asyncio.sleep(0.02)
+            continue
+        os.killpg(pid, signal.SIGSTOP)
+        looks += 1
+        await asyncio.sleep(SETTLE_S)
+        before = [n for n, in seen]
+        await asyncio.sleep(FREEZE_S)
+        still = [i for i in wanted if not tasks[i].done() and seen[i][0] == before[i]]
+        there = (await asyncio.to_thread(streams_by_worker, gateway_node)).get(worker, 0)
+        if still and there and all(seen[i][0] >= wanted[i] for i in still):
+            os.killpg(pid, signal.SIGKILL)
+            print(f"killed {worker}'s engine at look {looks}: {there:g} streams open there, "
+                  f"watched ones standing still with {[seen[i][0] for i in still]} tokens")
+            return Kill(still, there)
+        os.killpg(pid, signal.SIGCONT)
+        await asyncio.sleep(0.3)
 
 
 async def streams_across_a_shadow_takeover(
@@ -453,26 +475,18 @@ async def streams_across_a_shadow_takeover(
         loaded_before = engine_metric(await r.text(), "lumen_ckpt_blocks_loaded_total")
     routed_before = await asyncio.to_thread(gateway_counter, gateway_node,
                                             "lumen_gateway_routed_total")
-    # The kill waits for the streams on node-1 (its engine and node-2's run at different
-    # speeds; node-2's was just restarted), not for all of them.
-    tasks, seen, mine = await open_streams_one_by_one(session, gateway_node, all_cases,
-                                                      worker["name"])
-    await until_watched_streams_have_tokens(all_cases, seen, mine, worker["name"])
-    running = await asyncio.to_thread(streams_by_worker, gateway_node)
-    broken = running.get(worker["name"], 0)
-    assert broken, (f"no stream on {worker['name']} at the kill: {running}; the cases there "
-                    f"{mine}; tokens per stream {[n for n, in seen]}")
-    os.killpg(active["pid"], signal.SIGKILL)
+    tasks, seen, wanted = start_streams(session, gateway_node.gateway, all_cases)
+    kill = await kill_mid_stream(active["pid"], gateway_node, worker["name"], tasks, seen, wanted)
     results = await asyncio.gather(*tasks)
     routed = await asyncio.to_thread(gateway_counter, gateway_node, "lumen_gateway_routed_total")
     moved = {k: v - routed_before.get(k, 0.0) for k, v in routed.items()
              if v != routed_before.get(k, 0.0)}
     # Every stream the kill broke went to the shadow (the engine that took over), none to
-    # Recover (which would have resumed or recomputed it on node-2). `broken` counts the
-    # streams open just before the kill: one may end (or have had its last token) between
-    # that read and the kill, and then needs no route.
-    assert set(moved) == {"shadow"} and 1 <= moved["shadow"] <= broken, (
-        f"{broken:g} streams open on {worker['name']} at the kill; the gateway routed {moved}")
+    # Recover (which would have resumed or recomputed it on node-2). A stream whose last
+    # token had reached the gateway before the freeze needs no route.
+    assert set(moved) == {"shadow"} and 1 <= moved["shadow"] <= kill.open_there, (
+        f"{kill.open_there:g} streams open on {worker['name']} at the kill (watched: "
+        f"{kill.broken}); the gateway routed {moved}")
     async with session.get(shadow["url"] + "/metrics") as r:
         after = await r.text()
     assert engine_metric(after, "lumen_ckpt_blocks_loaded_total") > loaded_before, (
@@ -606,30 +620,11 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             # in the same batch changes greedy requests' tokens (seen without any failure);
             # the sampled stream gets a kill of its own below.
             all_cases = [c for c in cases(stop) if not c.sampled]
-            # The worker without a shadow is killed. Its streams run faster than node-1's
-            # (no shadow there), so waiting for every stream let them end before the kill
-            # (CI's failure); opening them one at a time to see where each went took so long
-            # that they ended too. The kill comes once node-2 has streams open and at least
-            # as many watched streams have their tokens (the fastest: node-2's).
+            # The worker without a shadow is killed mid-stream.
             victim = next(w for w in status_workers(doc) if w["node"] == "node-2")
-            seen = [[0] for _ in all_cases]
-            tasks = [asyncio.create_task(run(session, base, c, seen[i]))
-                     for i, c in enumerate(all_cases)]
-            watched = [i for i, c in enumerate(all_cases) if c.watch and c.body.get("stream")]
-            wanted = {i: KILL_AFTER if all_cases[i].body.get("return_token_ids")
-                      else KILL_AFTER // 4 for i in watched}
-            deadline = time.monotonic() + 300
-            while True:
-                assert time.monotonic() < deadline, f"streams too slow: {seen}"
-                running = await asyncio.to_thread(streams_by_worker, nodes[0])
-                there = running.get(victim["name"], 0)
-                ready = sum(seen[i][0] >= wanted[i] for i in watched)
-                if there and ready >= min(there, len(watched)):
-                    break
-                assert not all(t.done() for t in tasks), f"every stream ended: {seen}"
-                await asyncio.sleep(0.02)
+            tasks, seen, wanted = start_streams(session, base, all_cases)
             pid = next(e["pid"] for e in victim["engines"] if e["role"] == "active")
-            os.killpg(pid, signal.SIGKILL)
+            await kill_mid_stream(pid, nodes[0], victim["name"], tasks, seen, wanted)
             results = await asyncio.gather(*tasks)
 
             survivor = next(url for name, url in engines.items() if name != victim["name"])
