@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -30,7 +33,8 @@ def check_config(
     path: Path = typer.Argument(Path(DEFAULT_CONFIG_PATH), help="The node config (TOML)."),
     strict: bool = typer.Option(
         False, "--strict", help="Warnings are errors (exit 2): a model path that does not "
-        "exist or that this user cannot read, an unsupported vLLM, GPU engines with no "
+        "exist or that this user cannot read, an unsupported vLLM, a GPU host without "
+        "cuda-python (the gpu extra) for its vLLM workers' GMS servers, GPU engines with no "
         "memory split that lumend cannot compute here (from nvidia-smi and the model's "
         "weight files) or that do not fit together. The Ansible role checks "
         "with --strict, so a node without its models fails the deploy."),
@@ -39,13 +43,15 @@ def check_config(
     Also checks, as warnings, what the node needs besides the file: each worker's model and
     draft_model that is a path (absolute, or starting with ./ or ~) exists and is readable
     by the user running the check (run it as lumend's user), a vLLM lumend supports, and on
-    a GPU host that each vLLM worker with shadows has a memory split that fits its GPUs
+    a GPU host that cuda-python (the gpu extra) is there for single-GPU vLLM workers' GMS
+    servers and that each vLLM worker with shadows has a memory split that fits its GPUs
     (set, or the kv_cache_bytes lumend will compute, printed)."""
     config = load_config_or_exit(path)
     from lumend.engine.vllm_version import vllm_worker_warnings  # metadata only, no vLLM
 
     warnings = model_path_warnings(config)
     warnings += vllm_worker_warnings([(w.name, w.engine) for w in config.workers])
+    warnings += gpu_extra_warnings(config)
     notes, memory = memory_checks(config)
     warnings += memory
     for note in notes:
@@ -95,6 +101,36 @@ def model_path_warnings(config: NodeConfig) -> list[str]:
                              "(ProtectHome=yes); put models elsewhere, e.g. /models, or "
                              "allow it with a drop-in (systemctl edit lumend)")
     return found
+
+
+def gpu_extra_warnings(config: NodeConfig, nvidia_device: Path = Path("/dev/nvidiactl"),
+                       import_module: Callable[[str], Any] = importlib.import_module,
+                       ) -> list[str]:
+    """On a host with the NVIDIA driver (`nvidia_device` exists), the vLLM workers whose GMS
+    server runs the cuda backend (one GPU each: lumend.failover.supervisor._gms_fits) need
+    cuda-python, LUMEN's gpu extra; without it their GMS servers exit at start and the
+    workers never serve. `import_module`: how cuda-python's bindings are imported (tests
+    pass a fake)."""
+    names = [w.name for w in config.workers if w.engine == "vllm" and len(w.gpus) == 1]
+    if not names or not nvidia_device.exists():
+        return []
+    from lumend.gms.cuda_vmm import (
+        GPU_EXTRA_HINT,
+        CudaPythonMissing,
+        CudaUnavailable,
+        import_bindings,
+    )
+
+    where = f"workers {', '.join(repr(n) for n in names)} (vllm, one GPU)"
+    try:
+        import_bindings(import_module)
+    except CudaPythonMissing:
+        return [f"{where}: this GPU host lacks cuda-python, which their GMS servers (cuda "
+                f"backend, {nvidia_device} exists) need: they would exit at start and the "
+                f"workers never serve; {GPU_EXTRA_HINT}"]
+    except CudaUnavailable as exc:
+        return [f"{where}: their GMS servers (cuda backend) cannot use CUDA here: {exc}"]
+    return []
 
 
 def memory_checks(config: NodeConfig) -> tuple[list[str], list[str]]:

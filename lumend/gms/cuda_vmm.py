@@ -1,7 +1,8 @@
 """CUDA virtual memory management for GMS, over cuda-python's driver bindings.
 
 Imported lazily: nothing here touches CUDA until `driver()` is first called, so CPU-only
-machines import lumend.gms freely and only the `cuda` backend needs `lumen-serving[gpu]`.
+machines import lumend.gms freely and only the `cuda` backend needs LUMEN's `gpu` extra
+(cuda-python; GPU_EXTRA_HINT says how to install it).
 
 The server side creates physical allocations (`cuMemCreate`, pinned device memory that can
 be exported as a POSIX file descriptor) and never maps them, so it needs no CUDA context.
@@ -18,17 +19,33 @@ import contextlib
 import enum
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-GPU_EXTRA_HINT = ("install lumen-serving[gpu] (pip install 'lumen-serving[gpu]', which brings "
-                  "cuda-python)")
+from lumend import __version__
+
+# pyproject.toml's `gpu` extra (a unit test keeps the two the same).
+CUDA_PYTHON_SPEC = "cuda-python>=12.6,<13"
+# Never `pip install lumen-serving...` by name: our distribution is not on public indexes,
+# so a name lookup there installs whoever registers the name (dependency confusion).
+GPU_EXTRA_HINT = (
+    "install LUMEN's gpu extra (cuda-python): with the Ansible role, put gpu in "
+    "lumend_extras (e.g. [systemd, vllm, gpu]); by hand, the wheel built from the checkout "
+    f"(`make wheel`) with the extra: pip install "
+    f"'dist/lumen_serving-{__version__}-py3-none-any.whl[gpu]'")
+# cuda-python's driver bindings: 12.6 and newer, then older 12.x.
+BINDINGS_MODULES = ("cuda.bindings.driver", "cuda.cuda")
 
 _driver: Any = None
 
 
 class CudaUnavailable(RuntimeError):
     """No usable CUDA here: cuda-python missing, no driver, or no such device."""
+
+
+class CudaPythonMissing(CudaUnavailable):
+    """cuda-python (LUMEN's gpu extra) is not installed at all."""
 
 
 class CudaError(RuntimeError):
@@ -50,7 +67,7 @@ def driver() -> Any:
     global _driver
     if _driver is not None:
         return _driver
-    cu = _import_bindings()
+    cu = import_bindings()
     try:
         (result,) = cu.cuInit(0)
     except (OSError, RuntimeError) as exc:  # libcuda.so.1 could not be loaded
@@ -69,11 +86,13 @@ def driver() -> Any:
     return cu
 
 
-def _import_bindings() -> Any:
-    """cuda-python's driver bindings, or CudaUnavailable saying which fix applies."""
-    for module in ("cuda.bindings.driver", "cuda.cuda"):  # 12.6 and newer, then older 12.x
+def import_bindings(import_module: Callable[[str], Any] = importlib.import_module) -> Any:
+    """cuda-python's driver bindings, or CudaUnavailable saying which fix applies
+    (CudaPythonMissing when cuda-python is not installed). `import_module`: how a module is
+    imported (tests pass a fake)."""
+    for module in BINDINGS_MODULES:
         try:
-            return importlib.import_module(module)
+            return import_module(module)
         except ModuleNotFoundError as exc:
             if exc.name is not None and module.startswith(exc.name):
                 continue  # this layout is not installed: try the other one
@@ -82,7 +101,7 @@ def _import_bindings() -> Any:
             raise _no_driver(exc) from exc
         except Exception as exc:  # ImportError of a symbol, AttributeError, a bad build...
             raise _broken(exc) from exc
-    raise CudaUnavailable(
+    raise CudaPythonMissing(
         f"the GMS cuda backend needs cuda-python, which is not installed: "
         f"{GPU_EXTRA_HINT}, or use the GMS backend 'host'")
 
@@ -92,8 +111,9 @@ def _broken(exc: BaseException) -> CudaUnavailable:
     return CudaUnavailable(
         f"cuda-python is installed but does not work here ({type(exc).__name__}: "
         f"{first_line}); reinstall a build that matches this driver and Python: "
-        f"pip install --force-reinstall 'lumen-serving[gpu]' (check `nvidia-smi` for the driver's "
-        f"CUDA version), or use the GMS backend 'host'")
+        f"pip install --force-reinstall '{CUDA_PYTHON_SPEC}' in lumend's virtualenv (the gpu "
+        f"extra's pin; check `nvidia-smi` for the driver's CUDA version), or use the GMS "
+        f"backend 'host'")
 
 
 def _no_driver(exc: BaseException) -> CudaUnavailable:

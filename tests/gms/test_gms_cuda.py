@@ -67,15 +67,18 @@ def test_without_cuda_python_the_error_says_install_lumen_gpu() -> None:
     out = _run(BLOCK_CUDA + "from lumend.gms.cuda_vmm import driver\n"
                "try:\n    driver()\nexcept Exception as e:\n"
                "    print(type(e).__name__, e)")
-    assert out.stdout.startswith("CudaUnavailable"), out.stderr
-    assert "install lumen-serving[gpu]" in out.stdout and "backend 'host'" in out.stdout
+    assert out.stdout.startswith("CudaPythonMissing"), out.stderr  # a CudaUnavailable
+    assert "install LUMEN's gpu extra" in out.stdout and "backend 'host'" in out.stdout
+    # The fix is the role's extras or the wheel built from the checkout, never a name lookup.
+    assert "lumend_extras" in out.stdout and "py3-none-any.whl[gpu]'" in out.stdout
+    assert "lumen-serving" not in out.stdout
 
 
 def test_gms_server_with_cuda_backend_exits_2_naming_the_fix(tmp_path: Path) -> None:
     sock = str(tmp_path / "gms.sock")
     out = _run(BLOCK_CUDA + "from lumend.gms.server import main; "
                f"sys.argv = ['gms', '--socket', {sock!r}, '--backend', 'cuda']; main()")
-    assert out.returncode == 2 and "install lumen-serving[gpu]" in out.stderr
+    assert out.returncode == 2 and "install LUMEN's gpu extra" in out.stderr
     assert not os.path.exists(sock)
 
 
@@ -86,7 +89,7 @@ def test_gms_server_on_a_machine_without_a_driver_says_so(tmp_path: Path) -> Non
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     # Which fix applies depends on what this machine lacks first.
-    expected = "no CUDA driver" if HAS_CUDA_PYTHON else "install lumen-serving[gpu]"
+    expected = "no CUDA driver" if HAS_CUDA_PYTHON else "install LUMEN's gpu extra"
     assert expected in out.stderr, out.stderr
 
 
@@ -127,4 +130,4 @@ def test_a_broken_cuda_python_is_named_with_the_reinstall_fix(tmp_path: Path,
                "    print(type(e).__name__, e)")
     assert out.stdout.startswith("CudaUnavailable cuda-python is installed but does not work"), (
         out.stdout + out.stderr)
-    assert "pip install --force-reinstall 'lumen-serving[gpu]'" in out.stdout
+    assert "pip install --force-reinstall 'cuda-python>=12.6,<13'" in out.stdout
