@@ -246,12 +246,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=600)
     parser.add_argument("--time-scale", type=float, default=3.0)
     parser.add_argument("--drain-s", type=float, default=2.0, help="[gateway] drain_s")
-    parser.add_argument("--ways", default="drain,plain", help="drain, plain or both")
+    parser.add_argument("--ways", default="drain,plain",
+                        help="comma-separated, in order: drain (the role's way), plain (no "
+                             "drain); default both")
     parser.add_argument("--keep", type=Path, help="keep the clusters' logs in this folder")
     args = parser.parse_args()
+    ways = args.ways.split(",")
+    unknown = sorted(set(ways) - {"drain", "plain"})
+    if unknown:
+        parser.error(f"--ways: unknown way {', '.join(unknown)}: give drain, plain or "
+                     "drain,plain")
     rows = []
     with tempfile.TemporaryDirectory(prefix="lumen-rolling-") as tmp:
-        for way in args.ways.split(","):
+        for way in ways:
             drain = way == "drain"
             result = measure(args, drain, (args.keep or Path(tmp)) / way)
             rows.append(("drain --migrate, then restart" if drain else "restart, no drain",
