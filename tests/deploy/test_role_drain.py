@@ -2,8 +2,9 @@
 Restart lumend handler runs around the restart), run by a real ansible-playbook against a
 live two-node cluster: the node is drained with --migrate and waited for, then undrained;
 a node an operator drained is left alone; the last serving worker of a model is restarted
-with a warning, or stops the roll with lumend_drain_required. The restart itself, and the
-streams a drain moves, are tested elsewhere (test_ansible.py, test_rolling_restart.py)."""
+with a warning, or stops the roll with lumend_drain_required. The whole Restart lumend
+handler (drain, restart, undrain) under streaming load is test_role_restart_under_load.py;
+the streams a drain moves, tests/integration/test_rolling_restart.py."""
 
 from __future__ import annotations
 
