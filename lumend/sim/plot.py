@@ -97,7 +97,7 @@ def _reload(value: str) -> str:
 
 
 MISSING = ("--plot needs matplotlib, the optional 'plot' extra: .venv/bin/pip install "
-           "'matplotlib>=3.8' (or pip install 'lumen-serving[plot]'); without --plot the "
+           "'matplotlib>=3.8' (the wheel's [plot] extra); without --plot the "
            "command runs as is")
 
 
