@@ -985,6 +985,14 @@ def _check_served_name(table: _Table, args: list[str],
                        model: str | None) -> tuple[tuple[str, ...], str]:
     """The names the worker serves under (WorkerConfig.served_names) and the key they come
     from; none when its args give --served-model-name without a name or its model is bad."""
+    given = next((a for a in args if a.partition("=")[0] == "--model"), None)
+    if given is not None:
+        # lumend passes `model` as --model before the args; a second one wins in the
+        # engine's parser, so the engines would serve a model the cluster does not route to
+        # them (every request answered 404 by the engine).
+        table.problem("args", args, f"{given} in args: the worker's model is its model key "
+                      "(lumend gives it to every engine as --model); move the model there, "
+                      'e.g. model = "/models/Qwen3-32B", and drop --model from args')
     try:
         names = served_model_names(args)
     except ValueError as exc:

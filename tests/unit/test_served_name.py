@@ -138,3 +138,18 @@ def test_an_alias_serving_another_model_collides_too() -> None:
     ])
     [problem] = problems_of(text)
     assert problem.key == "workers[1].args" and "serves as 'fast'" in problem.fix
+
+
+@pytest.mark.parametrize("args", [["--model", "/models/Other"], ["--model=/models/Other"],
+                                  ["--dtype", "bfloat16", "--model", "/models/Other"]])
+def test_a_second_model_in_args_is_an_error_naming_the_model_key(args: list[str]) -> None:
+    # lumend gives `model` to the engine as --model; one in args wins in vLLM's parser, and the
+    # engines would serve a model the cluster does not route to them (every request a 404).
+    fix = problem_at(config_text(workers=[vllm(args=args)]), "workers[0].args").fix
+    assert "--model" in fix and "model key" in fix and "drop --model" in fix
+
+
+def test_options_that_only_start_like_model_are_no_model() -> None:
+    # Control: --model-impl and --model-loader-extra-config are other vLLM options.
+    w = only_worker("--model-impl", "vllm", "--model-loader-extra-config", "{}")
+    assert w.served_name == QWEN
