@@ -227,10 +227,8 @@ class BackWatch:
 
 
 def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> RealRun:
-    cluster = LocalCluster(root, size=args.nodes, shadows=0, lease_ttl_s=3,
-                           # after lumend's own --model (the worker's: sim-small), so it wins
-                           engine_args=("--time-scale", f"{args.time_scale:g}",
-                                        "--model", args.model))
+    cluster = LocalCluster(root, size=args.nodes, shadows=0, lease_ttl_s=3, model=args.model,
+                           engine_args=("--time-scale", f"{args.time_scale:g}"))
     try:
         cluster.start()
         wait_whole(cluster, 0)
