@@ -353,7 +353,8 @@ class Gateway:
                     except MigrateAway:
                         upstream, target, placement = await self._move(
                             rid, req, progress, placement, upstream, target)
-            except EngineRefused:
+            except EngineRefused as exc:
+                log.info("request %s: %s refused it: %s", rid, target.worker, exc)
                 exclude.add(target.worker)
                 broken_worker = None
             except EngineError as exc:

@@ -254,10 +254,12 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
     timeouts = timeouts or ReadTimeouts()
     encoded = _encode_body(body)  # once, for all the urls tried
     response = None
+    refusals: list[str] = []  # why each engine did not take it, for the log
     for url in urls:
         try:
             response = await session.post(url + path, data=encoded, headers=_JSON)
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            refusals.append(f"{url}: {type(exc).__name__}")
             continue
         if response.status == 200:
             break
@@ -270,10 +272,15 @@ async def stream_from(session: aiohttp.ClientSession, urls: tuple[str, ...], pat
             response.release()
             raise EngineError(response.status,
                               detail if isinstance(detail, dict) else {"error": detail})
-        response.release()  # 503 from a standby, or an engine in trouble: try the next
+        # 503 from a standby, or an engine in trouble: try the next. A 404 names a model the
+        # engine does not serve (the worker's record and its engines disagree): said here,
+        # so the log shows why every request to the worker goes elsewhere.
+        refusals.append(f"{url}: {response.status}" + (
+            f" {(await response.text())[:200]}" if response.status == 404 else ""))
+        response.release()
         response = None
     if response is None:
-        raise EngineRefused(f"no engine of {', '.join(urls)} accepted the request")
+        raise EngineRefused(f"no engine accepted the request ({'; '.join(refusals)})")
     done = finished = False
     tokens = 0
     partial = b""
