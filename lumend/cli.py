@@ -107,11 +107,11 @@ def gpu_extra_warnings(config: NodeConfig, nvidia_device: Path = Path("/dev/nvid
                        import_module: Callable[[str], Any] = importlib.import_module,
                        ) -> list[str]:
     """On a host with the NVIDIA driver (`nvidia_device` exists), the vLLM workers whose GMS
-    server runs the cuda backend (one GPU each: lumend.failover.supervisor._gms_fits) need
+    server runs the cuda backend (WorkerConfig.fits_cuda_gms) need
     cuda-python, LUMEN's gpu extra; without it their GMS servers exit at start and the
     workers never serve. `import_module`: how cuda-python's bindings are imported (tests
     pass a fake)."""
-    names = [w.name for w in config.workers if w.engine == "vllm" and len(w.gpus) == 1]
+    names = [w.name for w in config.workers if w.engine == "vllm" and w.fits_cuda_gms]
     if not names or not nvidia_device.exists():
         return []
     from lumend.gms.cuda_vmm import (

@@ -311,6 +311,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         --served-model-name but reports the first; LUMEN routes the first only."""
         return self.served_names[0]
 
+    @property
+    def fits_cuda_gms(self) -> bool:
+        """Whether a GMS server on CUDA can hold its weights: it serves one GPU, so a
+        tensor-parallel worker runs without one (its shadows sleep with vLLM's own weight
+        offload instead)."""
+        return len(self.gpus) == 1
+
 
 class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     node: NodeSection

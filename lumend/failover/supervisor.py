@@ -670,9 +670,8 @@ def last_error(log_path: Path) -> str | None:
 
 
 def _gms_fits(adapter: EngineAdapter, worker: WorkerConfig) -> bool:
-    """GMS on CUDA holds one GPU's weights: tensor-parallel workers run without it (their
-    shadows sleep with vLLM's own weight offload instead)."""
-    if adapter.gms_backend == "cuda" and len(worker.gpus) != 1:
+    """GMS on CUDA holds one GPU's weights (WorkerConfig.fits_cuda_gms)."""
+    if adapter.gms_backend == "cuda" and not worker.fits_cuda_gms:
         log.warning("worker %s spans %d GPUs: GMS serves one GPU per worker so far, so its "
                     "shadows keep their own weights (sleep mode offloads them)", worker.name,
                     len(worker.gpus))

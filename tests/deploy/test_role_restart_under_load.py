@@ -32,7 +32,6 @@ the PID 1 of some containers reaps nothing)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pwd
 import shutil
@@ -49,7 +48,7 @@ import yaml
 from lumenctl.localcluster import LocalCluster, LumendNode
 from lumenctl.recovery import read_view
 from tests.integration.test_coordinator import all_serving, metric
-from tests.integration.test_drain import Streams, busy, expected, ready
+from tests.integration.test_drain import Streams, busy, expected, read_stream, ready
 from tests.integration.test_graceful_stop import set_drain_s
 from tests.integration.test_rolling_restart import broken, engine_starts
 
@@ -147,18 +146,7 @@ async def balanced(session: aiohttp.ClientSession, victim: str, other: str, prom
                 continue
             assert r.status == 200, f"{base}: {r.status} {await r.text()}"
             routed.append(base)
-            ids, pieces, errors = set(), [], []
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    errors.append(chunk["error"]["message"])
-                    continue
-                ids.add(chunk["id"])
-                pieces.append(chunk["choices"][0]["text"])
-            return ids, "".join(pieces), errors
+            return await read_stream(r)
     raise AssertionError("unreachable: the other gateway answers or raises")
 
 

@@ -63,21 +63,29 @@ async def stream(session: aiohttp.ClientSession, base: str, prompt: str, chat: b
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
-    ids, pieces, errors = set(), [], []
     async with session.post(base + ("/v1/chat/completions" if chat else "/v1/completions"),
                             json=body) as r:
         assert r.status == 200
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                errors.append(chunk["error"]["message"])
-                continue
-            ids.add(chunk["id"])
-            choice = chunk["choices"][0]
-            pieces.append(choice["delta"].get("content", "") if chat else choice["text"])
+        return await read_stream(r, chat, received)
+
+
+async def read_stream(r: aiohttp.ClientResponse, chat: bool = False,
+                      received: list[int] | None = None) -> tuple[set[str], str, list[str]]:
+    """(ids seen, text received, errors) of a streamed completion's response; `received`
+    counts its chunks as they come."""
+    ids, pieces, errors = set(), [], []
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        if "error" in chunk:
+            errors.append(chunk["error"]["message"])
+            continue
+        ids.add(chunk["id"])
+        choice = chunk["choices"][0]
+        pieces.append(choice["delta"].get("content", "") if chat else choice["text"])
+        if received is not None:
             received[0] += 1
     return ids, "".join(pieces), errors
 
