@@ -10,6 +10,7 @@ from typing import TypeVar
 import pytest
 
 from lumenctl.localcluster import EtcdCluster, LocalCluster
+from lumend.cluster.store import StoreUnavailable
 
 T = TypeVar("T")
 
@@ -50,12 +51,20 @@ def local_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
 
 
 def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll `probe` until it returns something truthy; fail naming `what` on timeout."""
+    """Poll `probe` until it returns something truthy; fail naming `what` on timeout. A probe
+    that finds etcd unreachable (a read's 2 s budget spent on a busy machine: CI saw etcd
+    answer "context deadline exceeded" once, with the cluster fine) has not seen the state
+    yet: it is polled again, and the error is what the timeout reports as last."""
     deadline = time.monotonic() + timeout_s
-    last: T | None = None
+    last: T | StoreUnavailable | None = None
     while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
+        try:
+            found = probe()
+        except StoreUnavailable as exc:
+            last = exc
+        else:
+            if found:
+                return found
+            last = found
         time.sleep(0.05)
     pytest.fail(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
