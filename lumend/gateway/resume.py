@@ -56,14 +56,26 @@ class Progress:
 
 @dataclass
 class PendingText:
-    """A stream resumed after ids that end inside a character (the client has the ids, not
-    yet the character): the new engine cannot print that character (its decoder starts from
-    a prompt cut inside it), so the gateway renders the text from the last whole character
-    on with the engine's `/detokenize` until it is whole again, and the engine's text after."""
+    """A stream resumed after its ids: until the new engine's text can be trusted, the
+    gateway renders the text itself with the engine's `/detokenize`. Two reasons:
+    - ids that end inside a character (the client has the ids, not yet the character): the
+      new engine cannot print that character (its decoder starts from a prompt cut inside
+      it), so the gateway renders from the last whole character on until it is whole;
+    - vLLM's incremental decoder (tokenizers' `DecodeStream` primed with the prompt ids)
+      sends, as its first text after a prompt whose text ends in U+FFFD, the WHOLE context's
+      text, prompt included (`lumend/engine/sim_detokenizer.py` does the same).
+    So the engine's text is taken again only once it has sent some (that first text is
+    read, not passed on) and the rendering is whole; the text of that moment comes from
+    the engine's own text when it repeats what the client had (`/detokenize` renders
+    special tokens, which streams skip), else from the rendering."""
 
     context: list[int]  # prompt and generated ids up to the last whole character
     base: str  # their text
     ids: list[int]  # generated ids after it, growing as the engine streams
+    had: str = ""  # the completion text the client had at the resume (a repeat contains it)
+    prompt_text: str = ""  # the prompt ids' text by `/detokenize` (a repeat starts with it)
+    clean: bool = False  # resumed after all its ids with none inside a character
+    spoke: str = ""  # the text the new engine has streamed since the resume
 
 
 class Diverged(Exception):
@@ -91,16 +103,18 @@ class ResumePlan:
 
     @classmethod
     def by_cut(cls, req: ClientRequest, progress: Progress, cut: int, text_at_cut: str,
-               max_model_len: int | None) -> ResumePlan:
+               prompt_text: str, max_model_len: int | None) -> ResumePlan:
         """After all its ids; those after `cut` end inside a character, whose text the
-        gateway renders (`PendingText`)."""
+        gateway renders (`PendingText`), as it renders any text until the new engine's
+        can be trusted."""
         assert progress.prompt_ids is not None
         ids = progress.ids
-        pending = None
         how = "after its token ids"
         if cut < len(ids):
-            pending = PendingText([*progress.prompt_ids, *ids[:cut]], text_at_cut, ids[cut:])
             how += f" (the last {len(ids) - cut} inside a character, rendered by the gateway)"
+        pending = PendingText([*progress.prompt_ids, *ids[:cut]], text_at_cut, ids[cut:],
+                              had=progress.raw_text, prompt_text=prompt_text,
+                              clean=cut == len(ids))
         return cls("/v1/completions", req.resume_body([*progress.prompt_ids, *ids], len(ids),
                                                       max_model_len),
                    resume=True, by_ids=True, how=how, again_ids=[*progress.again_ids],
@@ -143,11 +157,12 @@ async def plan(req: ClientRequest, progress: Progress, worker: str, detokenize: 
                     worker)
     return ResumePlan.restart(req, progress)
 
-async def clean_cut(detokenize: Detokenize, progress: Progress) -> tuple[int, str] | None:
-    """How many of the generated ids end on the last whole character the client has, and
-    the text up to there. An engine sends text once it is whole, so the ids after that
-    cut (the first bytes of a character, at most a few tokens) are ones whose text the
-    client does not have yet; an engine that starts from a prompt ending inside a
+async def clean_cut(detokenize: Detokenize, progress: Progress
+                    ) -> tuple[int, str, str] | None:
+    """How many of the generated ids end on the last whole character the client has, the
+    text up to there, and the prompt's text. An engine sends text once it is whole, so the
+    ids after that cut (the first bytes of a character, at most a few tokens) are ones whose
+    text the client does not have yet; an engine that starts from a prompt ending inside a
     character cannot print it, so the gateway renders it (`PendingText`). The cut whose
     text is exactly the text received is taken; `/detokenize` renders special tokens,
     which streams skip, so without one the last cut that ends on a whole character is."""
@@ -157,33 +172,34 @@ async def clean_cut(detokenize: Detokenize, progress: Progress) -> tuple[int, st
     if base is None:
         return None
     want = base + progress.raw_text
-    whole: tuple[int, str] | None = None
+    whole: tuple[int, str, str] | None = None
     for cut in range(len(ids), max(-1, len(ids) - CUT_WINDOW), -1):
         text = await detokenize([*prompt, *ids[:cut]])
         if text is None:
             return None
         if text == want:
-            return cut, text
+            return cut, text, base
         if whole is None and not text.endswith("\ufffd"):
-            whole = cut, text
+            whole = cut, text, base
     return whole
 
 async def pending_text(detokenize: Detokenize, worker: str, progress: Progress,
-                       ids: list[int], final: bool) -> str:
-    """The text a piece adds while the stream's last character is incomplete (see
-    `PendingText`): none until the character is whole, then all of it at once, as an
+                       ids: list[int], engine_text: str, final: bool) -> str:
+    """The text a piece adds while the gateway renders it (see `PendingText`): none until
+    the new engine has sent text and the rendering is whole, then all of it at once, as an
     engine that had not been interrupted sends it. At the stream's end an incomplete
     character is dropped, as engines drop it."""
     pending = progress.pending
     assert pending is not None
     pending.ids += ids
-    if not ids and not final:
-        return ""
+    pending.spoke += engine_text
+    if not final and not pending.spoke:
+        return ""  # the engine's first text is still to come; it may repeat the context
     full = await detokenize([*pending.context, *pending.ids])
     if full is None or not full.startswith(pending.base):
         raise Diverged(f"{worker} rendered the text before the cut differently")
     text = full[len(pending.base):]
-    if text.endswith(_INCOMPLETE) and not final and len(pending.ids) < CUT_WINDOW:
+    if text.endswith(_INCOMPLETE) and not final:
         return ""
     progress.pending = None
     if final and text.endswith(_INCOMPLETE):
@@ -195,7 +211,39 @@ async def pending_text(detokenize: Detokenize, worker: str, progress: Progress,
             if full is None or not full.endswith(_INCOMPLETE):
                 break
         text = full[len(pending.base):] if full is not None else ""
-    return text
+    return engine_text_after(pending, text)
+
+
+def engine_text_after(pending: PendingText, rendered: str) -> str:
+    """The text since the resume, once the engine's can be trusted again. When its first
+    text repeated the context (the prompt's text, then what the client `had`, then the new
+    text), the new text, as the engine renders it (without the special tokens `/detokenize`
+    shows; invalid bytes as the engine streams them). When it did not, the engine's text
+    as it is: its context's text ended on a whole character, so it sent exactly the new
+    text. `rendered` (by `/detokenize`) only when its text is a repeat that cannot be
+    parted from the new text."""
+    spoke = pending.spoke
+    if not spoke:  # the stream ended and the engine sent no text since the resume: none
+        return ""
+    if not pending.had:
+        if pending.prompt_text and spoke.startswith(pending.prompt_text):
+            return spoke[len(pending.prompt_text):]
+        return spoke
+    at = spoke.find(pending.had)
+    while at != -1:
+        head = spoke[:at]
+        if head == pending.prompt_text or _without_some_of(head, pending.prompt_text):
+            return spoke[at + len(pending.had):]
+        at = spoke.find(pending.had, at + 1)
+    # A repeat is as long as what the client had; new text alone is a few tokens' worth.
+    repeat = len(spoke) >= len(pending.had) + len(rendered)
+    return rendered if repeat else spoke
+
+
+def _without_some_of(short: str, long: str) -> bool:
+    """`short` is `long` with some characters left out (special tokens' names)."""
+    chars = iter(long)
+    return 0 < len(short) < len(long) and all(c in chars for c in short)
 
 
 async def ids_through_stop(detokenize: Detokenize, progress: Progress, ids: list[int],

@@ -441,7 +441,7 @@ class Gateway:
         plan = await resume_plan(req, progress, target.worker,
                                  partial(self._detokenize, target),
                                  partial(self._max_model_len, target))
-        self.counters.inside_character += plan.pending is not None
+        self.counters.inside_character += plan.pending is not None and not plan.pending.clean
         self.counters.restarts += plan.restarted
         return plan
 
@@ -538,7 +538,7 @@ class Gateway:
             text = piece.text
             if progress.pending is not None:
                 text = await pending_text(partial(self._detokenize, target), target.worker,
-                                          progress, ids, piece.finish_reason is not None)
+                                          progress, ids, text, piece.finish_reason is not None)
             progress.raw_text += text
             emitted = text  # what this chunk's ids add to the text, engine or gateway rendered
             if progress.again_text and text:
