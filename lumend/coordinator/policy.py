@@ -43,9 +43,9 @@ forms): decisions in seconds.
   unbalance serving). `least_loaded` admits and picks recompute targets by it.
 * Algorithm 2 by estimated completion time (`route_by_completion`): resume at the holder
   (its queued work + restore bytes / restore bandwidth + the tail's recompute) against
-  recompute at the survivor where that completes soonest (its work + the whole context's
-  recompute), each plus the delay the request's own seconds impose on the requests already
-  there (`delay_weight`; `completion_estimates`); resume on ties. Queued work is
+  recompute at the survivor admission would pick, as stop-and-restart does (its work + the
+  whole context's recompute), each plus the delay the request's own seconds impose on the
+  requests already there (`delay_weight`; `completion_estimates`); resume on ties. Queued work is
   `LoadSnapshot.work_s` when the caller gives it (seconds of queued prefill and restores
   from its cost model), else beta * queue. theta and tau are not used.
 * Algorithm 3 by predicted gain (`assist_gain`, the caller's `LoadSnapshot.assist_gain`):
@@ -272,25 +272,28 @@ def completion_estimates(
     cfg: PolicyConfig,
 ) -> tuple[float, int | None, float]:
     """(cost of resuming at the holder, the recompute target, cost of recomputing there);
-    +inf where impossible. A cost is the request's estimated completion (the target's queued
+    +inf where impossible. A cost is the request's estimated completion (the worker's queued
     work + its own restore/recompute seconds) plus `delay_weight` times the delay its own
-    seconds impose on the requests already at the target (they share its GPU steps): the
-    extra work of recomputing delays everyone behind it, which matters most when the
-    survivors are overloaded. The recompute target is the live worker where that cost of
-    recomputing the whole context is least."""
+    seconds impose on the requests already there (they share its GPU steps): the extra work
+    of recomputing delays everyone behind it, which matters most when the survivors are
+    overloaded.
+
+    The recompute target is the survivor admission would pick (`least_loaded`: the shortest
+    queue with `admission = "queue"`), where stop-and-restart recomputes too; the estimate
+    decides only between resuming at the holder and recomputing there. Picking the target
+    by the least estimate instead (`ab47bb0`) sent short requests to survivors with no
+    queued prefill but more requests decoding: in the sweep's 1 GB/s cells it made the moved
+    requests' first tokens 4% sooner and every other request's 2-7% later (issue 15,
+    docs/simulator.md, *Sweep*): the estimate prices one prefill, not the decoding that
+    follows it on the target nor the admissions it turns away."""
     queued = work(snapshot, cfg)
     weight, queue = cfg.delay_weight, snapshot.queue
 
     def cost(worker: int, own: float) -> float:
         return queued[worker] + own * (1.0 + weight * queue[worker])
 
-    # The target is where recomputing is estimated to complete soonest, by the same cost as
-    # the comparison below, so routing never takes a strictly slower option under it. Least
-    # queued work alone ignored the decode batch the delay term counts (a counts-only view's
-    # work leaves running requests out). Ties: the shorter queue, then the lowest index.
-    own = recompute_s(total_tokens, cfg)
-    costs = [(cost(i, own), queue[i], i) for i, q in enumerate(queued) if q != math.inf]
-    recompute, _, target = min(costs) if costs else (math.inf, 0, None)
+    target = least_loaded(snapshot, cfg)
+    recompute = math.inf if target is None else cost(target, recompute_s(total_tokens, cfg))
     resume = math.inf
     if holder is not None and snapshot.alive[holder] and prefix_blocks > 0:
         tokens = min(prefix_blocks * cfg.block_tokens, max(total_tokens - 1, 0))
@@ -303,7 +306,7 @@ def route_by_completion(
     total_tokens: int | None = None,
 ) -> Route | None:
     """Algorithm 2 by estimated completion time: resume at the holder unless recomputing at
-    the survivor where that completes soonest is strictly faster (`completion_estimates`).
+    the survivor admission would pick is estimated strictly faster (`completion_estimates`).
     `total_tokens` (prompt + generated) defaults to the checkpointed prefix."""
     total = prefix_blocks * cfg.block_tokens if total_tokens is None else total_tokens
     resume, target, recompute = completion_estimates(snapshot, holder, prefix_blocks, total,

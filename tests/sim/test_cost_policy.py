@@ -97,14 +97,14 @@ def routing_cases(draw: st.DrawFn) -> tuple[LoadSnapshot, int | None, int, int, 
 
 @settings(max_examples=600, deadline=None)
 @given(routing_cases())
-def test_recompute_target_minimises_the_estimate_and_routing_never_picks_a_slower_option(
+def test_recompute_target_is_admissions_choice_and_routing_never_picks_a_slower_option(
     case: tuple[LoadSnapshot, int | None, int, int, PolicyConfig],
 ) -> None:
-    """Over every live survivor: the recompute target is where recomputing the whole context
-    is estimated to complete soonest (ties: shorter queue, then lower index), and the route
-    is never strictly slower, by that estimate, than resuming at the holder or recomputing
-    on any survivor. (The old target, least queued work, failed this: it ignored the delay
-    term's queue.)"""
+    """The recompute target is the survivor admission would pick (`least_loaded`: the
+    shortest queue, lowest index among ties), where stop-and-restart recomputes; its cost
+    is the estimate written out (queued work + own seconds x (1 + delay_weight x queue)),
+    and the route is never strictly slower, by that estimate, than the other option it
+    compares: resuming at the holder or recomputing at the target."""
     s, holder, blocks, total, cfg = case
     resume, target, recompute = policy.completion_estimates(s, holder, blocks, total, cfg)
     route = policy.recover(s, holder, blocks, cfg, total)
@@ -112,12 +112,10 @@ def test_recompute_target_minimises_the_estimate_and_routing_never_picks_a_slowe
     if not live:
         assert target is None and recompute == math.inf and route is None
         return
-    own = policy.recompute_s(total, cfg)
-    costs = {i: estimate(s, i, own, cfg) for i in live}
-    best = min(costs.values())
-    assert target is not None and recompute == costs[target] == best
-    assert target == min((i for i in live if costs[i] == best), key=lambda i: (s.queue[i], i))
-    options = list(costs.values())
+    assert target == min(live, key=lambda i: (s.queue[i], i))
+    assert target == policy.least_loaded(s, cfg)
+    assert recompute == estimate(s, target, policy.recompute_s(total, cfg), cfg)
+    options = [recompute]
     if resume != math.inf:
         assert holder is not None
         tokens = min(blocks * cfg.block_tokens, total - 1)
@@ -125,25 +123,42 @@ def test_recompute_target_minimises_the_estimate_and_routing_never_picks_a_slowe
         assert resume == estimate(s, holder, resume_own, cfg)
         options.append(resume)
     assert route is not None and s.alive[route.worker]
-    chosen = resume if route.resume else costs[route.worker]
+    chosen = resume if route.resume else recompute
     assert chosen <= min(options)
+    assert route.resume or route.worker == target
 
 
-def test_recompute_target_counts_the_decode_batch_in_a_counts_only_view() -> None:
-    # The coordinator's view: work = beta x the requests not yet running. Worker 0 decodes
-    # 10 sequences with nothing waiting (work 0), worker 1 decodes 2 with 1 waiting (work
-    # beta). Recomputing a mean prompt (own = beta) at 0 delays ten sequences: 0 + 0.1155 x
-    # 11 = 1.27 s; at 1: 0.1155 + 0.1155 x 4 = 0.58 s. The least-queued-work target was 0.
+@settings(max_examples=600, deadline=None)
+@given(routing_cases())
+def test_a_request_lumen_recomputes_goes_where_stop_and_restart_sends_it(
+    case: tuple[LoadSnapshot, int | None, int, int, PolicyConfig],
+) -> None:
+    """Issue 15: without a usable checkpoint (or when recomputing is estimated faster than
+    resuming) LUMEN recomputes where stop-and-restart does. The least-estimate target of
+    `ab47bb0` failed this: it sent short requests to survivors with no queued prefill but
+    more requests, and lost 2-3% mean TTFT to stop-and-restart in the sweep's 1 GB/s cells
+    (docs/simulator.md, *Sweep*; bench/sweep_losses.py)."""
+    s, holder, blocks, total, cfg = case
+    restart = policy.restart_route(s, cfg)
+    route = policy.recover(s, holder, blocks, cfg, total)
+    assert policy.recover(s, None, 0, cfg, total) == restart
+    if route is not None and not route.resume:
+        assert route == restart
+
+
+def test_recompute_target_is_the_shorter_queue_not_the_least_estimate() -> None:
+    # Worker 0: 10 requests decoding, nothing queued (work 0); worker 1: 6 requests, 1 s of
+    # queued prefill. Recomputing a mean prompt (0.1155 s) is estimated to finish sooner at
+    # 0 (0 + 0.1155 x 11 = 1.27 s) than at 1 (1 + 0.1155 x 7 = 1.81 s), which is where the
+    # least-estimate target sent it; the target is now worker 1, as for stop-and-restart.
     cfg = replace(COST, beta=0.1155)
-    s = snap([10, 3], [policy.queued_prefill_s(10, 10, cfg), policy.queued_prefill_s(3, 2, cfg)])
+    s = snap([10, 6], [0.0, 1.0])
     _, target, recompute = policy.completion_estimates(s, None, 0, 1155, cfg)
-    assert target == 1 and recompute == pytest.approx(0.1155 * 5)
+    assert target == 1 and recompute == pytest.approx(1.0 + 0.1155 * 7)
     assert policy.recover(s, None, 0, cfg, 1155) == policy.Route(1, resume=False)
-    # Control: without the delay term the batch does not matter and least work wins.
-    alone = replace(cfg, delay_weight=0.0)
-    assert policy.completion_estimates(s, None, 0, 1155, alone)[1] == 0
-    # Ties in the estimate go to the shorter queue, then the lower index.
-    assert policy.completion_estimates(snap([4, 2, 2], [0.0] * 3), None, 0, 0, cfg)[1] == 1
+    assert policy.restart_route(s, cfg) == policy.Route(1, resume=False)
+    # Ties in the queue go to the lower index, as admission's.
+    assert policy.completion_estimates(snap([4, 2, 2], [0.0, 5.0, 0.0]), None, 0, 0, cfg)[1] == 1
 
 
 def test_routing_resumes_unless_the_holder_is_far_behind() -> None:
@@ -152,13 +167,14 @@ def test_routing_resumes_unless_the_holder_is_far_behind() -> None:
     # The holder has 30 s of queued work, the other worker none: recompute there.
     far = policy.recover(snap([5, 0], [30.0, 0.0]), 0, 64, COST, 1030)
     assert far == policy.Route(1, False)
-    # Same gap, but 400 requests share the recompute target's steps: the 0.1 s of extra
-    # prefill delays each of them, so resuming is cheaper for the cluster.
-    crowded = policy.recover(snap([5, 400], [30.0, 0.0]), 0, 64, COST, 1030)
+    # Same gap, but 400 requests share the recompute target's steps (500 the holder's): the
+    # 0.1 s of extra prefill delays each of them, the 11 ms restore far less, so resuming is
+    # cheaper for the cluster (30 + 0.011 x 501 = 35 s against 0.1 x 401 = 41 s).
+    crowded = policy.recover(snap([500, 400], [30.0, 0.0]), 0, 64, COST, 1030)
     assert crowded == policy.Route(0, True)
     # Without the delay term (pure per-request completion) it recomputes.
-    alone = policy.recover(snap([5, 400], [30.0, 0.0]), 0, 64, replace(COST, delay_weight=0.0),
-                           1030)
+    alone = policy.recover(snap([500, 400], [30.0, 0.0]), 0, 64,
+                           replace(COST, delay_weight=0.0), 1030)
     assert alone == policy.Route(1, False)
 
 

@@ -1,0 +1,239 @@
+"""Where LUMEN loses to stop-and-restart in the sweep's 1 GB/s cells (issue 15).
+
+    nice -n 10 .venv/bin/python bench/sweep_losses.py --seeds 0-5
+    nice -n 10 .venv/bin/python bench/sweep_losses.py --cells 0.7,1,nvme,1,4 --variants
+
+Per cell (load, restore GB/s, reload s or nvme, prompt scale, workers; the sweep's axes,
+`lumend/sim/sweep.py`) and seed, stop-and-restart and LUMEN run on the same workload and
+fault as the sweep runs them. `--variants` adds LUMEN without draft assist
+(`lumen-noassist`), LUMEN with the recompute target of `ab47bb0` (`lumen-oldtarget`: the
+survivor with the least estimate instead of the shortest queue) and that target with the
+recompute's own seconds priced at each survivor's decode batch (`d*B + e*C` in every step)
+instead of a full chunk's cost per token (`lumen-oldtarget-batchown`), each also without
+assist. Each run is split into:
+
+* ff: failure-free mean TTFT over the whole trace (the reference run);
+* ttft: the sweep's figure, mean TTFT over the impact window (common to the policies);
+* intr: mean TTFT of the requests the fault moved (interrupted or queued on the failed
+  worker), and their mean seconds from detection to their next token (recompute);
+* others: mean TTFT of the window's requests the fault never touched;
+* qroute: mean queue length (requests admitted, not finished) of the survivor each moved
+  request was sent to, at the moment it was routed, minus the shortest live queue then;
+* assist: draft rounds (assisted sequence-steps);
+* tpot: per-token TPOT over the window; recovery: the run's recovery time (s).
+
+Ratios to stop-and-restart are means of per-seed ratios with 95% Student-t intervals.
+Prints numbers; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lumend.coordinator import policy
+from lumend.sim.config import SimConfig, apply_policy
+from lumend.sim.engine import Req, SimResult, Simulation
+from lumend.sim.metrics import impact_window, mean, recovery_of, tpot_per_token, ttft
+from lumend.sim.runner import reference_config
+from lumend.sim.stats import interval, paired_ratio
+from lumend.sim.sweep import Cell, cell_config, cell_workload
+from lumend.sim.workload import Workload
+
+DEFAULT_CELLS = ("0.7,1,nvme,1,4", "0.7,1,120,1,4", "0.5,1,nvme,4,8", "0.5,1,120,4,8",
+                 "0.7,25,nvme,1,4")
+
+Estimates = Callable[[policy.LoadSnapshot, "int | None", int, int, policy.PolicyConfig],
+                     "tuple[float, int | None, float]"]
+Routes = list[tuple[int, int, bool]]
+# Variants: LUMEN's routing with the recompute target of `ab47bb0` (the survivor with the
+# least estimate, not the shortest queue), and that with the recompute's own seconds priced
+# at each survivor's decode batch instead of a full chunk's cost per token.
+OLD_TARGET = "lumen-oldtarget"
+BATCH_OWN = "lumen-oldtarget-batchown"
+
+
+def least_estimate(per_token: list[float] | None) -> Estimates:
+    """`policy.completion_estimates` with `ab47bb0`'s recompute target: the live worker where
+    recomputing is estimated to complete soonest (ties: shorter queue, lower index). Own
+    seconds at `per_token[i]` per token on worker i when given, else the config's."""
+    def estimates(snapshot: policy.LoadSnapshot, holder: int | None, prefix_blocks: int,
+                  total_tokens: int, cfg: policy.PolicyConfig
+                  ) -> tuple[float, int | None, float]:
+        queued = policy.work(snapshot, cfg)
+        queue = snapshot.queue
+
+        def own(i: int, tokens: float) -> float:
+            if per_token is None:
+                return policy.recompute_s(tokens, cfg)
+            return max(0.0, tokens) * per_token[i]
+
+        def cost(i: int, seconds: float) -> float:
+            return queued[i] + seconds * (1.0 + cfg.delay_weight * queue[i])
+
+        costs = [(cost(i, own(i, total_tokens)), queue[i], i)
+                 for i, q in enumerate(queued) if q != math.inf]
+        recompute, _, target = min(costs) if costs else (math.inf, 0, None)
+        resume = math.inf
+        if holder is not None and snapshot.alive[holder] and prefix_blocks > 0:
+            tokens = min(prefix_blocks * cfg.block_tokens, max(total_tokens - 1, 0))
+            resume = cost(holder, policy.restore_s(tokens, cfg) + own(holder,
+                                                                        total_tokens - tokens))
+        return resume, target, recompute
+    return estimates
+
+
+class Traced(Simulation):
+    """The simulator, recording where each moved request is routed and the queues then;
+    `variant` swaps the policy's estimates while a request is routed (OLD_TARGET, BATCH_OWN)."""
+
+    def __init__(self, workload: Workload, cfg: SimConfig, variant: str = "") -> None:
+        super().__init__(workload, cfg)
+        self.routes: Routes = []  # (its queue - min queue, worker, resumed)
+        self.variant = variant
+
+    def _recover(self, r: Req, now: float) -> None:
+        before = list(self.col_queue)
+        per_token: list[float] | None = None
+        if self.variant == BATCH_OWN:
+            per_token = []
+            for w in self.workers:
+                p = max(1, self.cfg.prefill_budget(len(w.running)))
+                per_token.append(self.cost.step_time(p, len(w.running), w.ctx_sum) / p)
+        if self.variant in (OLD_TARGET, BATCH_OWN):
+            saved = policy.completion_estimates
+            setattr(policy, "completion_estimates", least_estimate(per_token))  # noqa: B010
+            try:
+                super()._recover(r, now)
+            finally:
+                setattr(policy, "completion_estimates", saved)  # noqa: B010
+        else:
+            super()._recover(r, now)
+        if r.worker >= 0:
+            live = [q for q, ok in zip(before, self.col_alive, strict=True) if ok]
+            self.routes.append((before[r.worker] - min(live), r.worker, r.resumed))
+
+
+@dataclass
+class Run:
+    result: SimResult
+    reference: SimResult
+    routes: list[tuple[int, int, bool]]
+
+
+def simulate_traced(workload: Workload, cfg: SimConfig, variant: str = ""
+                    ) -> tuple[SimResult, Routes]:
+    sim = Traced(workload, cfg, variant)
+    return sim.run(), sim.routes
+
+
+def parse_cell(text: str) -> Cell:
+    load, bw, reload, scale, workers = text.split(",")
+    return Cell(float(load), float(bw), None if reload == "nvme" else float(reload),
+                float(scale), int(workers))
+
+
+def variants(base: SimConfig, names: list[str]) -> dict[str, SimConfig]:
+    out: dict[str, SimConfig] = {}
+    for name in names:
+        cfg = apply_policy(base, "stop_and_restart" if name == "stop_and_restart" else "lumen")
+        if name.endswith("-noassist"):
+            cfg = replace(cfg, policy=replace(cfg.policy, draft_assist=False))
+        out[name] = cfg
+    return out
+
+
+def figures(run: Run, window: float) -> dict[str, float]:
+    res, ref = run.result, run.reference
+    fault = res.fault
+    assert fault is not None and fault.detected_at is not None
+    lo, hi = fault.at, fault.at + window
+    win = [r for r in res.requests if lo <= r.arrival <= hi or r.epoch > 0]
+    moved = [r for r in res.requests if r.epoch > 0]
+    others = [r for r in win if r.epoch == 0]
+    recompute = [r.replay_first - fault.detected_at for r in moved if r.replay_first >= 0]
+    firsts = [r.first_token - fault.detected_at for r in moved
+              if r.interrupted_at < 0 and r.first_token >= 0]
+    return {
+        "ff": mean([ttft(r) for r in ref.requests]),
+        "ttft": mean([ttft(r) for r in win]),
+        "intr": mean([ttft(r) for r in moved]),
+        "recomp": mean(recompute + firsts),
+        "others": mean([ttft(r) for r in others]),
+        "moved": float(len(moved)),
+        "resumed": float(sum(1 for r in moved if r.resumed)),
+        "qroute": mean([float(d) for d, _, _ in run.routes]),
+        "assist": float(res.draft_rounds),
+        "tpot": tpot_per_token(win),
+        "recovery": math.nan if (rec := recovery_of(res, 10.0)) is None else rec,
+    }
+
+
+def fmt(values: list[float]) -> str:
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return "-"
+    m, h = interval(vals)
+    return f"{m:.3f} ± {h:.3f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", nargs="*", default=list(DEFAULT_CELLS))
+    ap.add_argument("--seeds", default="0-5")
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--fail-at", type=float, default=200.0)
+    ap.add_argument("--variants", action="store_true")
+    args = ap.parse_args()
+    lo, _, hi = args.seeds.partition("-")
+    seeds = list(range(int(lo), int(hi or lo) + 1))
+    names = ["stop_and_restart", "lumen"]
+    if args.variants:
+        names += ["lumen-noassist", OLD_TARGET, OLD_TARGET + "-noassist", BATCH_OWN,
+                  BATCH_OWN + "-noassist"]
+    base = SimConfig()
+    base = replace(base, fault=replace(base.fault, kind=base.fault.kind.worker,
+                                       at_s=args.fail_at))
+    keys = ("ff", "ttft", "intr", "recomp", "others", "moved", "resumed", "qroute", "assist",
+            "tpot", "recovery")
+    for text in args.cells:
+        cell = parse_cell(text)
+        started = time.perf_counter()
+        per: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in names}
+        for seed in seeds:
+            cfg = replace(cell_config(base, cell), seed=seed)
+            workload = cell_workload(cfg, cell, args.duration, seed)
+            runs: dict[str, Run] = {}
+            for name, pcfg in variants(cfg, names).items():
+                variant = name.removesuffix("-noassist")
+                res, routes = simulate_traced(workload, pcfg, variant)
+                ref, _ = simulate_traced(workload, reference_config(pcfg))
+                runs[name] = Run(res, ref, routes)
+            window = impact_window([recovery_of(r.result, cfg.bin_s) for r in runs.values()],
+                                   runs[names[0]].result, cfg.bin_s)
+            for name, run in runs.items():
+                for k, v in figures(run, window).items():
+                    per[name][k].append(v)
+        print(f"\ncell {text} (load, restore GB/s, reload, prompt x, workers), seeds "
+              f"{args.seeds}, {time.perf_counter() - started:.0f} s")
+        print(f"  {'policy':16s} " + " ".join(f"{k:>15s}" for k in keys))
+        for name in names:
+            print(f"  {name:16s} " + " ".join(f"{fmt(per[name][k]):>15s}" for k in keys))
+        sr = per["stop_and_restart"]
+        for name in names[1:]:
+            ratios = []
+            for k in ("ff", "ttft", "intr", "others", "tpot"):
+                m, h = paired_ratio(per[name][k], sr[k])
+                ratios.append(f"{k} {m:.3f} ± {h:.3f}")
+            print(f"  {name} / S&R: " + ", ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()
