@@ -10,7 +10,8 @@ fault as the sweep runs them. `--variants` adds LUMEN without draft assist
 survivor with the least estimate instead of the shortest queue) and that target with the
 recompute's own seconds priced at each survivor's decode batch (`d*B + e*C` in every step)
 instead of a full chunk's cost per token (`lumen-oldtarget-batchown`), each also without
-assist. Each run is split into:
+assist, and LUMEN with a TTFT-first assist gain (`lumen-ttftassist`: the decode speed-up
+counts only where prefill is capacity-bound or absent). Each run is split into:
 
 * ff: failure-free mean TTFT over the whole trace (the reference run);
 * ttft: the sweep's figure, mean TTFT over the impact window (common to the policies);
@@ -58,6 +59,20 @@ Routes = list[tuple[int, int, bool]]
 # at each survivor's decode batch instead of a full chunk's cost per token.
 OLD_TARGET = "lumen-oldtarget"
 BATCH_OWN = "lumen-oldtarget-batchown"
+# LUMEN with a TTFT-first assist gain: the decode speed-up counts only where prefill waits
+# for batch slots or KV, or where no step carried prefill in the last interval; elsewhere
+# the gain is minus the slowdown (an experiment, not the policy's rule).
+TTFT_ASSIST = "lumen-ttftassist"
+_assist_gain = policy.assist_gain
+
+
+def ttft_first_gain(step_s: float, verify_extra_s: float, tokens_per_round: float,
+                    prefill_waiting: bool, capacity_bound: bool = False,
+                    prefill_share: float = 0.0) -> float:
+    if capacity_bound or (not prefill_waiting and prefill_share <= 0):
+        return _assist_gain(step_s, verify_extra_s, tokens_per_round, prefill_waiting,
+                            capacity_bound, prefill_share)
+    return -verify_extra_s / step_s if step_s > 0 else 0.0
 
 
 def least_estimate(per_token: list[float] | None) -> Estimates:
@@ -131,7 +146,13 @@ class Run:
 def simulate_traced(workload: Workload, cfg: SimConfig, variant: str = ""
                     ) -> tuple[SimResult, Routes]:
     sim = Traced(workload, cfg, variant)
-    return sim.run(), sim.routes
+    if variant != TTFT_ASSIST:
+        return sim.run(), sim.routes
+    setattr(policy, "assist_gain", ttft_first_gain)  # noqa: B010
+    try:
+        return sim.run(), sim.routes
+    finally:
+        setattr(policy, "assist_gain", _assist_gain)  # noqa: B010
 
 
 def parse_cell(text: str) -> Cell:
@@ -196,8 +217,8 @@ def main() -> None:
     seeds = list(range(int(lo), int(hi or lo) + 1))
     names = ["stop_and_restart", "lumen"]
     if args.variants:
-        names += ["lumen-noassist", OLD_TARGET, OLD_TARGET + "-noassist", BATCH_OWN,
-                  BATCH_OWN + "-noassist"]
+        names += ["lumen-noassist", TTFT_ASSIST, OLD_TARGET, OLD_TARGET + "-noassist",
+                  BATCH_OWN, BATCH_OWN + "-noassist"]
     base = SimConfig()
     base = replace(base, fault=replace(base.fault, kind=base.fault.kind.worker,
                                        at_s=args.fail_at))
