@@ -71,13 +71,20 @@ def test_recovery_resumes_on_the_holder_unless_it_is_overloaded() -> None:
 def test_degraded_recovery_reads_queued_work_as_the_coordinator_does() -> None:
     """Cost-aware (the default): a worker's queued work is its requests not yet running
     (lumend.coordinator.loadbook); running ones have had their prefill. Counting them as
-    queued work, the gateway's fallback decided otherwise than the coordinator would."""
+    queued work, the gateway's fallback decided otherwise than the coordinator would. The
+    recompute target is the survivor admission would pick (the shortest queue, running and
+    waiting, as stop-and-restart recomputes)."""
     from msgspec.structs import replace
 
     running = worker("b0", "b", running=4)
     waiting = replace(worker("c0", "c"), load=WorkerLoad(running=0, waiting=2))
     v = view(worker("a0", "a"), running, waiting)
-    assert route(v, None, "a0", prefix_tokens=160) == ("b0", False)
+    assert route(v, None, "a0", prefix_tokens=160) == ("c0", False)
+    # A checkpoint held by b0: resumed there, its 4 running requests being no queued work;
+    # counted as queued work, they would send it to recompute on c0.
+    on_b0 = place(view(worker("a0", "a"), worker("b0", "b")), "a0", "req")
+    assert on_b0 is not None and on_b0.worker == "b0"
+    assert route(v, on_b0, "a0", prefix_tokens=160) == ("b0", True)
     # The paper's decisions count every request in the queue.
     paper = policy_config(ClusterSettings(decisions="paper"))
     assert route(v, None, "a0", prefix_tokens=160, cfg=paper) == ("c0", False)
