@@ -134,13 +134,14 @@ class EtcdCluster:
         self.workdir = workdir
         self.auto_compaction_retention = auto_compaction_retention
         self.quota_backend_bytes = quota_backend_bytes
+        self.data_root = data_root_for(workdir)
         ports = free_ports(2 * size)
         self.members = [
             EtcdMember(
                 name=f"etcd{i}",
                 client_port=ports[2 * i],
                 peer_port=ports[2 * i + 1],
-                data_dir=workdir / f"etcd{i}.data",
+                data_dir=self.data_root / f"etcd{i}.data",
                 log_path=workdir / f"etcd{i}.log",
             )
             for i in range(size)
@@ -154,6 +155,7 @@ class EtcdCluster:
         binary = etcd_binary()
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.data_root.mkdir(parents=True, exist_ok=True)
         hygiene: list[str] = []
         if self.auto_compaction_retention is not None:
             hygiene += ["--auto-compaction-mode", "periodic",
@@ -218,6 +220,20 @@ class EtcdCluster:
     def stop(self) -> None:
         for m in self.members:
             m.stop()
+        if self.data_root != self.workdir:
+            shutil.rmtree(self.data_root, ignore_errors=True)
+
+
+def data_root_for(workdir: Path) -> Path:
+    """Where a local cluster's etcd keeps its data: in memory (/dev/shm) where there is one,
+    else in `workdir`. A local cluster is thrown away when it stops, so etcd's fsyncs buy
+    nothing there, and on a busy machine's disk they stalled etcd past a client's deadline
+    (CI: "context deadline exceeded" on a 1 s read). Removed by `EtcdCluster.stop`; the
+    logs stay in `workdir`."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / f"lumen-etcd-{os.getpid()}-{random.getrandbits(48):012x}"
+    return workdir
 
 
 @dataclass
