@@ -196,6 +196,11 @@ async def pending_text(detokenize: Detokenize, worker: str, progress: Progress,
     if not final and not pending.spoke:
         return ""  # the engine's first text is still to come; it may repeat the context
     full = await detokenize([*pending.context, *pending.ids])
+    if full is None and pending.clean:
+        # No rendering to be had (its engines' /detokenize failed): nothing was inside a
+        # character, so the engine's own text serves, a repeat of the context taken apart.
+        progress.pending = None
+        return engine_text_after(pending, pending.spoke)
     if full is None or not full.startswith(pending.base):
         raise Diverged(f"{worker} rendered the text before the cut differently")
     text = full[len(pending.base):]

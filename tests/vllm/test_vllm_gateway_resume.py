@@ -457,7 +457,15 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
                   f"watched ones standing still with {[seen[i][0] for i in still]} tokens")
             return Kill(still, there)
         os.killpg(pid, signal.SIGCONT)
+        # Its streams that are short of their tokens run until they have them (a few
+        # seconds at most), rather than 0.3 s a look: a victim frozen most of the time
+        # gets there slowly (a run here took 18 looks).
+        short = [i for i in still if seen[i][0] < wanted[i]]
+        until = time.monotonic() + 5.0
         await asyncio.sleep(0.3)
+        while (short and time.monotonic() < until and not all(tasks[i].done() for i in short)
+               and any(seen[i][0] < wanted[i] for i in short)):
+            await asyncio.sleep(0.05)
     print(f"every stream ended before a moment to kill {worker}'s engine came ({looks} looks;"
           f" the most streams open on each worker: {most}; tokens {seen})")
     return None
