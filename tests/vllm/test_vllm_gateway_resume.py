@@ -335,9 +335,18 @@ async def explain_divergence(session: aiohttp.ClientSession, url: str, model: st
     return f"{case.name} at id {at} (gap {best - mine:.4f} / {best - ref_at[0]:.4f} nats)"
 
 
-def streams_by_worker(node: LumendNode) -> dict[str, float]:
-    """The gateway's open engine streams per worker, from its node's Prometheus metrics."""
-    text = metrics_of(node)
+def streams_by_worker(node: LumendNode, patient: bool = False) -> dict[str, float]:
+    """The gateway's open engine streams per worker, from its node's Prometheus metrics.
+    `patient`: a scrape that times out (a loaded 2-core machine: the full suite once saw
+    one take over 5 s while three engines ran) reads as nothing open, so the caller looks
+    again, rather than failing the test."""
+    try:
+        text = metrics_of(node)
+    except TimeoutError:
+        if not patient:
+            raise
+        print(f"{node.name}'s metrics did not answer within 5 s; looking again")
+        return {}
     found = re.findall(r'^lumen_gateway_streams_in_flight\{worker="([^"]+)"\} (\S+)$', text,
                        re.M)
     return {worker: float(n) for worker, n in found}
@@ -439,7 +448,7 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
     most: dict[str, float] = {}  # the most streams the gateway had open on each worker
     while not all(t.done() for t in tasks):
         assert time.monotonic() < deadline, f"no moment to kill {worker}: tokens {seen}"
-        running = await asyncio.to_thread(streams_by_worker, gateway_node)
+        running = await asyncio.to_thread(streams_by_worker, gateway_node, True)
         most = {w: max(most.get(w, 0.0), running.get(w, 0.0)) for w in {*most, *running}}
         if not running.get(worker) or max(seen[i][0] for i in wanted) < min(wanted.values()):
             await asyncio.sleep(0.02)
@@ -450,22 +459,14 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
         before = [n for n, in seen]
         await asyncio.sleep(FREEZE_S)
         still = [i for i in wanted if not tasks[i].done() and seen[i][0] == before[i]]
-        there = (await asyncio.to_thread(streams_by_worker, gateway_node)).get(worker, 0)
+        there = (await asyncio.to_thread(streams_by_worker, gateway_node, True)).get(worker, 0)
         if still and there and all(seen[i][0] >= wanted[i] for i in still):
             os.killpg(pid, signal.SIGKILL)
             print(f"killed {worker}'s engine at look {looks}: {there:g} streams open there, "
                   f"watched ones standing still with {[seen[i][0] for i in still]} tokens")
             return Kill(still, there)
         os.killpg(pid, signal.SIGCONT)
-        # Its streams that are short of their tokens run until they have them (a few
-        # seconds at most), rather than 0.3 s a look: a victim frozen most of the time
-        # gets there slowly (a run here took 18 looks).
-        short = [i for i in still if seen[i][0] < wanted[i]]
-        until = time.monotonic() + 5.0
         await asyncio.sleep(0.3)
-        while (short and time.monotonic() < until and not all(tasks[i].done() for i in short)
-               and any(seen[i][0] < wanted[i] for i in short)):
-            await asyncio.sleep(0.05)
     print(f"every stream ended before a moment to kill {worker}'s engine came ({looks} looks;"
           f" the most streams open on each worker: {most}; tokens {seen})")
     return None
