@@ -48,9 +48,10 @@ import yaml
 from lumenctl.localcluster import LocalCluster, LumendNode
 from lumenctl.recovery import read_view
 from tests.integration.test_coordinator import all_serving, metric
-from tests.integration.test_drain import Streams, busy, expected, read_stream, ready
+from tests.integration.test_drain import Streams, busy, expected, ready
 from tests.integration.test_graceful_stop import set_drain_s
 from tests.integration.test_rolling_restart import broken, engine_starts
+from tests.streamread import read_stream
 
 from .conftest import wait_until
 from .test_ansible import ansible_env, stop_marked, stop_pid_file

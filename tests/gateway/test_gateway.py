@@ -4,7 +4,6 @@ of the engine serving them, token for token."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -23,6 +22,8 @@ from lumend.engine.adapter import SimAdapter
 from lumend.engine.sim_core import decode, encode, reference_completion
 from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
 from lumend.gateway.server import Gateway, GatewayTiming
+
+from ..streamread import read_stream
 
 MAX_TOKENS = 120
 
@@ -80,24 +81,10 @@ async def stream(session: aiohttp.ClientSession, base: str, chat: bool,
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = text
-    ids, pieces, errors = set(), [], []
     async with session.post(base + ("/v1/chat/completions" if chat else "/v1/completions"),
                             json=body) as r:
         assert r.status == 200
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                errors.append(chunk["error"]["message"])
-                continue
-            ids.add(chunk["id"])
-            choice = chunk["choices"][0]
-            pieces.append(choice["delta"].get("content", "") if chat else choice["text"])
-            if received is not None:
-                received[0] += 1
-    return ids, "".join(pieces), errors
+        return await read_stream(r, chat, received)
 
 
 class Streams:

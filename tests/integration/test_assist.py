@@ -27,6 +27,7 @@ from lumend.cluster.store import EtcdStore
 from lumend.cluster.view import ClusterView, build_view
 from lumend.engine.sim_core import decode, encode, reference_completion
 
+from ..streamread import read_stream
 from .conftest import wait_until
 
 CLUSTER = "assist"
@@ -69,22 +70,10 @@ def nodes(etcd: EtcdCluster, tmp_path: Path) -> Iterator[list[LumendNode]]:
 
 async def stream(session: aiohttp.ClientSession, base: str, prompt: str,
                  received: list[int]) -> tuple[set[str], str, list[str]]:
-    ids, pieces, errors = set(), [], []
     async with session.post(base + "/v1/completions", json={
             "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}) as r:
         assert r.status == 200
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                errors.append(chunk["error"]["message"])
-                continue
-            ids.add(chunk["id"])
-            pieces.append(chunk["choices"][0]["text"])
-            received[0] += 1
-    return ids, "".join(pieces), errors
+        return await read_stream(r, received=received)
 
 
 def engine_assist(url: str) -> dict[str, Any]:

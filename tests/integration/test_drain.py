@@ -22,6 +22,7 @@ from lumenctl.localcluster import LocalCluster
 from lumend.cluster.view import ClusterView
 from lumend.engine.sim_core import decode, encode, reference_completion
 
+from ..streamread import read_stream
 from .conftest import wait_until
 from .test_coordinator import all_serving, caught_up, coordinator_client, metric
 from .test_gateway_e2e import engine_metric
@@ -67,27 +68,6 @@ async def stream(session: aiohttp.ClientSession, base: str, prompt: str, chat: b
                             json=body) as r:
         assert r.status == 200
         return await read_stream(r, chat, received)
-
-
-async def read_stream(r: aiohttp.ClientResponse, chat: bool = False,
-                      received: list[int] | None = None) -> tuple[set[str], str, list[str]]:
-    """(ids seen, text received, errors) of a streamed completion's response; `received`
-    counts its chunks as they come."""
-    ids, pieces, errors = set(), [], []
-    async for raw in r.content:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[5:])
-        if "error" in chunk:
-            errors.append(chunk["error"]["message"])
-            continue
-        ids.add(chunk["id"])
-        choice = chunk["choices"][0]
-        pieces.append(choice["delta"].get("content", "") if chat else choice["text"])
-        if received is not None:
-            received[0] += 1
-    return ids, "".join(pieces), errors
 
 
 class Streams:
