@@ -5,6 +5,7 @@ sleeps, and wake maps the weights from GMS again instead of reading them from di
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -64,6 +65,13 @@ class Engine:
     def complete(self, max_tokens: int = 12) -> tuple[int, Any]:
         return self.call("POST", "/v1/completions",
                          {"prompt": PROMPT, "max_tokens": max_tokens})
+
+    def tokens_generated(self) -> int:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        match = re.search(r"^lumen_sim_tokens_generated_total (\d+)$", text, re.M)
+        assert match, "the sim engine's metrics lack lumen_sim_tokens_generated_total"
+        return int(match.group(1))
 
     def sleeping(self) -> bool:
         return bool(self.get("/is_sleeping")[1]["is_sleeping"])
@@ -157,8 +165,10 @@ def test_sleep_ends_running_streams_and_rejects_bad_input(
     worker = threading.Thread(target=long_request)
     worker.start()
     deadline = time.monotonic() + 30
-    while engine.info().get("running", 0) == 0:
-        assert time.monotonic() < deadline, "the request never started"
+    # Running is not enough: a request admitted but not yet past its first step ends with
+    # no text at all, and the partial reply is what this test is about.
+    while engine.info().get("running", 0) == 0 or engine.tokens_generated() == 0:
+        assert time.monotonic() < deadline, "the request never produced a token"
         time.sleep(0.02)
     assert engine.call("POST", "/sleep?level=1&mode=abort")[0] == 200
     worker.join(timeout=30)
