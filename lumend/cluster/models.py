@@ -37,12 +37,20 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # per heartbeat. None: the engine does not export them. The coordinator turns them into
     # its cost estimates (lumend.coordinator.estimates): checkpoint bytes restored and the
     # seconds those restores took (and the tokens whose KV they held); prompt tokens
-    # prefilled and the seconds prefills took.
+    # prefilled (to 10 bits, as the step counters below) and the seconds prefills took.
     restored_bytes: int | None = None
     restored_tokens: int | None = None
     restore_s: float | None = None
     prefill_tokens: int | None = None
     prefill_s: float | None = None
+    # Step counters, for draft-assist's predicted gain (lumend.coordinator.estimates
+    # .StepTracker): seconds of the engine's steps as its decoding requests saw them, and
+    # how many (vLLM: the inter-token latency histogram's sum and count, one per request
+    # per step; the sim engine: its modelled steps). Rounded to 10 significant bits (a
+    # recent step time comes from their growth over a minute or so, which 8 bits would
+    # hide once an engine has been busy for half an hour).
+    step_s: float | None = None
+    steps: int | None = None
 
 
 class CheckpointUsage(msgspec.Struct, frozen=True, kw_only=True):

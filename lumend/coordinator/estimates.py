@@ -31,6 +31,10 @@ The KV bytes per token are a fact of the model, not a speed: used whenever measu
 
 The sums are over the engines' lifetimes, not a window: a bandwidth and a per-token cost are
 properties of the hardware and the model, which do not drift while an engine runs.
+
+A step time does drift with the batch, so draft-assist's predicted gain reads it from the
+step counters' growth over a recent window (`StepTracker`, kept by the coordinator across
+views; below, with the gain's other inputs).
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from lumend.assist.attach import DEFAULT_K as ATTACH_DEFAULT_K
 from lumend.cluster.models import WorkerLoad, WorkerRecord
-from lumend.coordinator.policy import PolicyConfig, in_seconds
+from lumend.coordinator.policy import PolicyConfig, assist_gain, in_seconds
+from lumend.engine.adapter import STEP_SIGNIFICANT_BITS
+from lumend.engine.vllm_assist import DEFAULT_K as VLLM_DEFAULT_K
 
 MIN_RESTORE_BYTES = 1 << 20  # 1 MiB: fewer bytes say more about latency than bandwidth
 MIN_PREFILL_TOKENS = 256
@@ -209,3 +216,178 @@ def _estimate(key: str, sums: Sums, default: float, *, per_second: bool) -> Esti
         return Estimate(key, default, 0)
     return Estimate(key, amount / seconds if per_second else seconds / amount, n, amount,
                     seconds, at)
+
+
+# -- draft-assist's predicted gain (Algorithm 3 by gain, policy.assist_gain) ----------------
+#
+# The simulator knows each worker's step from its cost model; the coordinator measures it.
+# Per worker the tracker keeps the step counters of the records it saw (cumulative since
+# the active engine started, STEP_SIGNIFICANT_BITS significant bits) and reads a recent
+# step time from their growth: between the newest record and the newest older one from
+# which both counters grew by at least MIN_QUANTA of their rounding steps (so the rounding
+# is at most 1/MIN_QUANTA of the growth), within STEP_WINDOW_S. Counters that went back (a
+# restarted engine) or another active engine start the window anew; no such pair: no step
+# time, and the coordinator falls back to the most loaded by L_hat.
+#
+# The gain's other inputs, from the same record and the cost model in use:
+# * verify_extra_s: verifying k drafted tokens per running sequence computes them like
+#   prompt tokens: running * k * the prefill seconds per token in use (measured where the
+#   engines export prefill time, else PolicyConfig's constant), plus ASSIST_ROUND_S, the
+#   round trip to the drafter (its k draft steps and the network) the survivor waits for;
+#   k is the engines' default draft length (ASSIST_K, by engine kind);
+# * tokens_per_round: 1 + k * the acceptance measured by this model's current assignments
+#   (accepted / drafted tokens, once MIN_DRAFTED were verified), else the prior the
+#   simulator uses (per-token agreement ASSIST_PRIOR_AGREEMENT: 1 + a + ... + a^k);
+# * prefill_waiting: requests waiting; capacity_bound: waiting with the KV cache at least
+#   KV_BOUND full (prefill waits for pages, which faster decoding frees sooner);
+# * prefill_share: the share of the window's wall time spent computing prompt tokens
+#   (their growth * the prefill seconds per token / the window), 0 where not resolved.
+# A survivor running nothing has nothing to speed up: gain 0, no step time needed.
+
+STEP_WINDOW_S = 120.0
+MIN_QUANTA = 4
+MIN_DRAFTED = 64
+KV_BOUND = 0.9
+ASSIST_PRIOR_AGREEMENT = 0.6  # lumend.sim.config.SimConfig.spec_acceptance
+# The drafter's round trip, a prior (no engine exports how long it waits for drafts): k = 4
+# draft tokens at sim-draft's 0.5 ms each, plus a LAN round trip (the simulator's
+# assist_rtt_s, 1 ms).
+ASSIST_ROUND_S = 0.003
+ASSIST_K = {"sim": ATTACH_DEFAULT_K, "vllm": VLLM_DEFAULT_K}
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    at: float  # the record's updated_at
+    engine: str  # its active engine
+    step_s: float
+    steps: int
+    prefill_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRate:
+    """One worker's steps over a recent window."""
+
+    step_s: float  # mean seconds per step
+    steps: int  # steps counted in the window
+    span_s: float  # the window (wall seconds between the two records)
+    prefill_tokens: int | None  # prompt tokens computed in it; None: not resolved
+
+
+class StepTracker:
+    """Recent step times per worker from the step counters of the records seen."""
+
+    def __init__(self, window_s: float = STEP_WINDOW_S,
+                 bits: int = STEP_SIGNIFICANT_BITS) -> None:
+        self.window_s = window_s
+        self.bits = bits
+        self._samples: dict[str, list[StepSample]] = {}
+
+    def observe(self, workers: Iterable[WorkerRecord]) -> None:
+        seen = set()
+        for w in workers:
+            seen.add(w.name)
+            load = w.load
+            active = [e.id for e in w.engines if e.role == "active"]
+            if load.step_s is None or load.steps is None or not active:
+                self._samples.pop(w.name, None)
+                continue
+            sample = StepSample(w.updated_at, active[0], load.step_s, load.steps,
+                                load.prefill_tokens)
+            history = self._samples.setdefault(w.name, [])
+            if history:
+                last = history[-1]
+                if sample.at <= last.at:
+                    continue  # the same record (or an older one, read late)
+                if (sample.engine != last.engine or sample.steps < last.steps
+                        or sample.step_s < last.step_s):
+                    history.clear()  # another engine, or this one restarted
+            history.append(sample)
+            while history[0].at < sample.at - self.window_s:
+                del history[0]
+        for name in set(self._samples) - seen:
+            del self._samples[name]
+
+    def rate(self, worker: str) -> StepRate | None:
+        history = self._samples.get(worker)
+        if not history:
+            return None
+        new = history[-1]
+        steps_q = max(1.0, _quantum(new.steps, self.bits))
+        seconds_q = _quantum(new.step_s, self.bits)
+        for old in reversed(history[:-1]):
+            d_steps, d_s = new.steps - old.steps, new.step_s - old.step_s
+            if d_steps < MIN_QUANTA * steps_q or d_s <= 0 or d_s < MIN_QUANTA * seconds_q:
+                continue
+            prefill = None
+            if new.prefill_tokens is not None and old.prefill_tokens is not None:
+                d_p = new.prefill_tokens - old.prefill_tokens
+                if d_p >= MIN_QUANTA * _quantum(new.prefill_tokens, self.bits):
+                    prefill = d_p
+            return StepRate(d_s / d_steps, d_steps, new.at - old.at, prefill)
+        return None
+
+
+def _quantum(value: float, bits: int) -> float:
+    """The largest rounding step of a value rounded (down) to `bits` significant bits."""
+    return abs(value) * 2.0 ** (1 - bits)
+
+
+def draft_tokens(engine: str) -> int:
+    """k: tokens a drafter proposes per round to an engine of this kind (its default)."""
+    return ASSIST_K.get(engine, ATTACH_DEFAULT_K)
+
+
+def tokens_per_round(k: int, drafted: int = 0, accepted: int = 0) -> float:
+    """Tokens a verify step emits per sequence: 1 + k * acceptance where MIN_DRAFTED were
+    verified, else the prior (1 + a + ... + a^k, a = ASSIST_PRIOR_AGREEMENT)."""
+    if drafted >= MIN_DRAFTED:
+        return 1.0 + k * min(1.0, max(0.0, accepted / drafted))
+    return math.fsum(ASSIST_PRIOR_AGREEMENT ** i for i in range(k + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class AssistInputs:
+    """policy.assist_gain's arguments for one survivor, and the gain."""
+
+    step_s: float
+    verify_extra_s: float
+    tokens_per_round: float
+    prefill_waiting: bool
+    capacity_bound: bool
+    prefill_share: float
+
+    @property
+    def gain(self) -> float:
+        if self.step_s <= 0:  # nothing decoding: nothing to speed up
+            return 0.0
+        return assist_gain(self.step_s, self.verify_extra_s, self.tokens_per_round,
+                           self.prefill_waiting, self.capacity_bound, self.prefill_share)
+
+    def describe(self) -> str:
+        if self.step_s <= 0:
+            return "nothing running"
+        why = ("prefill waits for KV" if self.capacity_bound else "prefill waiting"
+               if self.prefill_waiting else f"prefill share {self.prefill_share:.2f}")
+        return (f"step {self.step_s * 1e3:.3g} ms, verify +{self.verify_extra_s * 1e3:.3g} "
+                f"ms, {self.tokens_per_round:.2f} tokens per round, {why}")
+
+
+def assist_inputs(load: WorkerLoad, rate: StepRate | None, k: int, tpr: float,
+                  prefill_s_per_token: float) -> AssistInputs | None:
+    """The gain's inputs for a survivor with this load and recent steps; None when it runs
+    something and its step time is not known."""
+    if load.running <= 0:
+        return AssistInputs(0.0, 0.0, tpr, load.waiting > 0, False, 0.0)
+    if rate is None:
+        return None
+    share = 0.0
+    if rate.prefill_tokens is not None and rate.span_s > 0:
+        share = min(1.0, rate.prefill_tokens * prefill_s_per_token / rate.span_s)
+    waiting = load.waiting > 0
+    return AssistInputs(
+        step_s=rate.step_s,
+        verify_extra_s=load.running * k * prefill_s_per_token + ASSIST_ROUND_S,
+        tokens_per_round=tpr, prefill_waiting=waiting,
+        capacity_bound=waiting and load.kv_usage >= KV_BOUND, prefill_share=share)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -47,7 +48,15 @@ from lumend.cluster.models import (
 )
 from lumend.cluster.store import Delete, Op, Put
 from lumend.cluster.view import ClusterView
-from lumend.coordinator.estimates import CostEstimates, estimate
+from lumend.coordinator.estimates import (
+    AssistInputs,
+    CostEstimates,
+    StepTracker,
+    assist_inputs,
+    draft_tokens,
+    estimate,
+    tokens_per_round,
+)
 from lumend.coordinator.loadbook import (
     REQUEST_TTL_S,
     Admitted,
@@ -106,6 +115,11 @@ class CoordinatorService:
         self._costed: ClusterView | None = None
         self.book = LoadBook(eligible, ttl_s=request_ttl_s)
         self.decisions: Counter[str] = Counter()  # admit, no_worker, resume, recompute, ...
+        # Recent step times per worker, from the step counters of the views' records (the
+        # predicted gain of draft-assist, assist_ops); drafters declined for want of a
+        # positive gain (logged once until they are assigned or stop assisting).
+        self.steps = StepTracker()
+        self._declined: set[str] = set()
         self._event_seq = 0
         # Recovery plans changed here and not yet read back from etcd, by failed worker.
         self._plans: dict[str, RecoveryPlan] = {}
@@ -128,11 +142,46 @@ class CoordinatorService:
 
     # -- inputs -------------------------------------------------------------------------------
 
-    def _table(self, view: ClusterView, alive: Callable[[WorkerRecord], bool]) -> Table:
-        """The load table over the workers `alive` accepts (cold paths: O(workers))."""
+    def _table(self, view: ClusterView, alive: Callable[[WorkerRecord], bool],
+               assist: dict[int, AssistInputs] | None = None) -> Table:
+        """The load table over the workers `alive` accepts (cold paths: O(workers)).
+
+        With `assist` (a dict it fills): also the predicted gain of draft-assisting each of
+        them (`LoadSnapshot.assist_gain`, policy.assist_gain over the inputs of
+        lumend.coordinator.estimates, put in `assist` by index), or assist_gain None when
+        any of them runs something and has no recent step time (`self.steps`)."""
         cols = self.book.columns(view)
-        return self.book.table(cols, tuple(ok and alive(w) for ok, w in
-                                           zip(cols.eligible, cols.workers, strict=True)))
+        table = self.book.table(cols, tuple(ok and alive(w) for ok, w in
+                                            zip(cols.eligible, cols.workers, strict=True)))
+        if assist is None:
+            return table
+        # The acceptance this model's drafts reached so far, over its current assignments.
+        drafted: Counter[str] = Counter()
+        accepted: Counter[str] = Counter()
+        for a in view.assists.values():
+            survivor = view.workers.get(a.survivor)
+            if survivor is not None:
+                drafted[survivor.model] += a.drafted_tokens
+                accepted[survivor.model] += a.accepted_tokens
+        prefill = table.cfg.recompute_s_per_token  # the cost model in use
+        gains = [-math.inf] * len(table.workers)
+        known = True
+        for i, (ok, w) in enumerate(zip(table.snapshot.alive, table.workers, strict=True)):
+            if not ok:
+                continue
+            k = draft_tokens(w.engine)
+            inputs = assist_inputs(w.load, self.steps.rate(w.name), k,
+                                   tokens_per_round(k, drafted[w.model], accepted[w.model]),
+                                   prefill)
+            if inputs is None:
+                known = False
+                continue
+            assist[i] = inputs
+            gains[i] = inputs.gain
+        if not known:
+            return table
+        return dataclasses.replace(table, snapshot=dataclasses.replace(table.snapshot,
+                                                                       assist_gain=gains))
 
     def term_lease(self) -> int | None:
         """The lease carrying this term's coordinator key, as the latest view shows it; None
@@ -355,15 +404,20 @@ class CoordinatorService:
 
     def assist_ops(self, view: ClusterView, keys: Keys, now: float | None = None) -> list[Op]:
         """The writes that make `assist/` match the cluster: a worker that reports
-        `assisting` (its draft server up) drafts for the most loaded serving worker of its
-        model that no other drafter assists (argmax L_hat, Algorithm 3); an assignment ends
-        when its worker stops assisting (its engine serves again, or it left) or its
+        `assisting` (its draft server up) drafts for a serving worker of its model that no
+        other drafter assists. Cost-aware (the default), the one with the highest positive
+        predicted gain (policy.assist_gain from measured step times, `_table`), and for
+        none while no gain is positive (asked again every cycle); when a candidate has no
+        recent step time, and with `decisions = paper`, the most loaded (argmax L_hat,
+        Algorithm 3 as published). The event's reason says which rule chose. An assignment
+        ends when its worker stops assisting (its engine serves again, or it left) or its
         survivor stops serving; the survivor's accepted/drafted counters are copied into
-        the assignment as they grow. Decided from this view alone (the caller writes the
-        ops guarded by the epoch)."""
+        the assignment as they grow. Decided from this view and the step counters of the
+        views before it (the caller writes the ops guarded by the epoch)."""
         now = time.time() if now is None else now
         ops: list[Op] = []
         view = self._costed_view(view)
+        self.steps.observe(view.workers.values())
         policy = policy_config(view.settings)
         kept: dict[str, AssistAssignment] = {}
         for name, a in sorted(view.assists.items()):
@@ -398,6 +452,7 @@ class CoordinatorService:
         if not policy.uses_assist:
             return ops
         assisted = {a.survivor for a in kept.values()}
+        self._declined &= {w.name for w in view.workers.values() if w.state == "assisting"}
         for worker in sorted(view.workers.values(), key=lambda w: w.name):
             if (worker.state != "assisting" or not worker.draft or worker.name in kept
                     or worker.node not in view.nodes):
@@ -407,23 +462,43 @@ class CoordinatorService:
                 return (eligible(view, w) and w.name != me.name and w.model == me.model
                         and w.name not in assisted)
 
-            table = self._table(view, target)
+            inputs: dict[int, AssistInputs] = {}
+            table = self._table(view, target, inputs if policy.cost_aware else None)
             cfg = table.cfg
-            if cfg.cost_aware and table.snapshot.assist_gain is None:
-                # Heartbeats carry no step costs, so no predicted gain (policy.assist_gain):
+            gains = table.snapshot.assist_gain
+            if cfg.cost_aware and gains is None:
+                # A candidate runs requests and has no recent step time (its engine exports
+                # no step counters, or too little grew yet): no predicted gain, so
                 # Algorithm 3 as published, the most loaded by L_hat (here in seconds).
                 cfg = dataclasses.replace(cfg, cost_aware=False)
             index = assist_target(table.snapshot, cfg)
             if index is None:
+                if gains is not None and worker.name not in self._declined and inputs:
+                    self._declined.add(worker.name)
+                    best = max(inputs, key=lambda i: gains[i])
+                    log.info("assist: %s drafts for no one: no survivor's predicted gain is "
+                             "positive (best %s, %+.3f: %s); re-evaluated every cycle",
+                             worker.name, table.workers[best].name, gains[best],
+                             inputs[best].describe())
                 continue
+            self._declined.discard(worker.name)
             survivor = table.workers[index]
             a = AssistAssignment(id=f"{worker.name}:{uuid.uuid4().hex[:8]}",
                                  recovering=worker.name, survivor=survivor.name,
                                  endpoint=worker.draft, epoch=self.epoch, assigned_at=now)
             assisted.add(survivor.name)
             self.decisions["assist"] += 1
-            reason = (f"{worker.name} drafts for {survivor.name} (L_hat "
-                      f"{table.load(index):.3g}, the most loaded) through {worker.draft}")
+            if gains is not None:
+                why = (f"predicted gain {gains[index]:+.3f}, the highest: "
+                       f"{inputs[index].describe()}")
+            elif table.cfg.cost_aware:
+                lacking = sorted(table.workers[i].name for i, ok
+                                 in enumerate(table.snapshot.alive) if ok and i not in inputs)
+                why = (f"L_hat {table.load(index):.3g} s, the most loaded; L_hat, no step "
+                       f"costs for {', '.join(lacking)}")
+            else:
+                why = f"L_hat {table.load(index):.3g}, the most loaded"
+            reason = f"{worker.name} drafts for {survivor.name} ({why}) through {worker.draft}"
             log.info("assist: %s", reason)
             # etcd refuses a transaction naming a key twice: the put replaces the delete.
             ops = [op for op in ops

@@ -72,11 +72,18 @@ class EngineLoad:
     restore_s: float | None = None
     prefill_tokens: int | None = None
     prefill_s: float | None = None
+    # Step counters (None: not exported): seconds of the engine's steps as its decoding
+    # requests saw them and how many (vLLM: inter-token latency sum and count; the sim
+    # engine: its modelled steps' seconds and count). Always a pair: both or neither.
+    step_s: float | None = None
+    steps: int | None = None
 
     def report(self) -> WorkerLoad:
         """The worker's load as its record carries it: the cost counters rounded to 8
         significant bits (1/128), so that they change the record, which is written when it
-        changes, a few hundred times per doubling rather than at every heartbeat."""
+        changes, a few hundred times per doubling rather than at every heartbeat; the step
+        counters and the prompt tokens computed to 10 (STEP_SIGNIFICANT_BITS): the
+        coordinator reads recent rates from their growth, not only lifetime ratios."""
         return WorkerLoad(
             running=self.running, waiting=self.waiting, kv_usage=self.kv_usage,
             ckpt_running=self.ckpt_running, ckpt_complete=self.ckpt_complete,
@@ -86,26 +93,35 @@ class EngineLoad:
             else round_int(self.restored_tokens),
             restore_s=None if self.restore_s is None else round_float(self.restore_s),
             prefill_tokens=None if self.prefill_tokens is None
-            else round_int(self.prefill_tokens),
-            prefill_s=None if self.prefill_s is None else round_float(self.prefill_s))
+            else round_int(self.prefill_tokens, STEP_SIGNIFICANT_BITS),
+            prefill_s=None if self.prefill_s is None else round_float(self.prefill_s),
+            step_s=None if self.step_s is None
+            else round_float(self.step_s, STEP_SIGNIFICANT_BITS),
+            steps=None if self.steps is None else round_int(self.steps, STEP_SIGNIFICANT_BITS))
 
 
 SIGNIFICANT_BITS = 8
+# The step counters' and computed prompt tokens' growth over about a minute is what the
+# coordinator reads (a recent step time and prefill share, lumend.coordinator.estimates
+# .StepTracker): rounded to b bits a counter moves in
+# steps of up to 2^(1-b) of its total, so a window must see several such steps. 10 bits:
+# a minute's growth is enough for about 2 hours of an engine's busy life at a steady load
+# (8 bits: half an hour), at one write of the record per 1/512-1/1024 of growth.
+STEP_SIGNIFICANT_BITS = 10
 
 
-def round_int(n: int) -> int:
-    """`n` to its top SIGNIFICANT_BITS bits (down; n >= 0)."""
-    shift = max(0, n.bit_length() - SIGNIFICANT_BITS)
+def round_int(n: int, bits: int = SIGNIFICANT_BITS) -> int:
+    """`n` to its top `bits` bits (down; n >= 0)."""
+    shift = max(0, n.bit_length() - bits)
     return (n >> shift) << shift
 
 
-def round_float(x: float) -> float:
-    """`x` to SIGNIFICANT_BITS significant bits (down; x >= 0)."""
+def round_float(x: float, bits: int = SIGNIFICANT_BITS) -> float:
+    """`x` to `bits` significant bits (down; x >= 0)."""
     if not math.isfinite(x) or x <= 0:
         return x
     mantissa, exponent = math.frexp(x)
-    return math.ldexp(math.floor(mantissa * (1 << SIGNIFICANT_BITS)),
-                      exponent - SIGNIFICANT_BITS)
+    return math.ldexp(math.floor(mantissa * (1 << bits)), exponent - bits)
 
 
 class EngineAdapter(Protocol):
@@ -308,11 +324,17 @@ RESTORE_SECONDS = ckpt_counter("restore_seconds") + "_total"
 PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+# Step counters (draft-assist's gain): vLLM's inter-token latency (one observation per
+# request per step that gave it a token: the step's duration as decoding requests see it),
+# else the sim engine's modelled steps. A pair is read from one source, never mixed.
+STEP_COUNTERS = (("vllm:inter_token_latency_seconds_sum",
+                  "vllm:inter_token_latency_seconds_count"),
+                 ("lumen_sim_step_seconds_total", "lumen_sim_steps_total"))
 _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", *_COVERAGE, *map(deprecated, _COVERAGE),
                  RESTORED_BYTES, RESTORED_TOKENS, RESTORE_SECONDS, PREFILL_SECONDS,
                  PROMPT_TOKENS,
-                 PROMPT_TOKENS_BY_SOURCE)
+                 PROMPT_TOKENS_BY_SOURCE, *(n for pair in STEP_COUNTERS for n in pair))
 
 
 LUMEN_SPECULATIVE_CONFIG = json.dumps({
@@ -354,6 +376,13 @@ def parse_load(metrics_text: str) -> EngineLoad:
 
     restored, tokens = counter(RESTORED_BYTES), counter(RESTORED_TOKENS)
     prompt = counter(PROMPT_TOKENS_BY_SOURCE, PROMPT_TOKENS)
+    step_s: float | None = None
+    steps: float | None = None
+    for seconds_name, count_name in STEP_COUNTERS:
+        seconds, count = counter(seconds_name), counter(count_name)
+        if seconds is not None and count is not None:
+            step_s, steps = seconds, count
+            break
     return EngineLoad(
         running=int(values.get("vllm:num_requests_running", 0)),
         waiting=int(values.get("vllm:num_requests_waiting", 0)),
@@ -365,6 +394,8 @@ def parse_load(metrics_text: str) -> EngineLoad:
         restore_s=counter(RESTORE_SECONDS),
         prefill_tokens=None if prompt is None else int(prompt),
         prefill_s=counter(PREFILL_SECONDS),
+        step_s=step_s,
+        steps=None if steps is None else int(steps),
     )
 
 

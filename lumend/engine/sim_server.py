@@ -450,6 +450,10 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_step_late_seconds_total {engine.clock.late_s}",
             f'lumen_sim_active {1 if engine.state == "active" else 0}',
             f"lumen_sim_prefill_tokens_total {s.prefill_tokens}",
+            # The same count under vLLM's name for prompt tokens computed (not restored),
+            # which lumend reads into the worker's load (prefill_tokens) from both kinds.
+            f'vllm:prompt_tokens_by_source_total{{model_name="{served[0]}",'
+            f'source="local_compute"}} {s.prefill_tokens}',
             f"lumen_sim_sleeping {1 if engine.memory.sleeping else 0}",
             f'lumen_sim_weight_loads_total{{source="disk"}} {engine.weight_loads["disk"]}',
             f'lumen_sim_weight_loads_total{{source="gms"}} {engine.weight_loads["gms"]}',

@@ -1,0 +1,252 @@
+"""Draft-assist by predicted gain in the live coordinator (issue 15): the engines' step
+counters in the worker's load, the coordinator's recent step time from their growth, the
+gain's inputs, and the survivor `assist_ops` picks with them (and without them)."""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from msgspec.structs import replace
+
+from lumenctl.localcluster import stop_process
+from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord
+from lumend.coordinator.estimates import (
+    ASSIST_PRIOR_AGREEMENT,
+    ASSIST_ROUND_S,
+    MIN_DRAFTED,
+    StepTracker,
+    assist_inputs,
+    draft_tokens,
+    tokens_per_round,
+)
+from lumend.coordinator.policy import assist_gain
+from lumend.coordinator.service import CoordinatorService
+from lumend.engine.adapter import EngineLoad, parse_load
+
+from ..assist.test_assignments import KEYS, assisting, events, puts, view
+from .test_gateway_checkpoints import worker
+from .test_sim_openai import Engine, start_engine, wait_active
+
+# -- the counters in the worker's load --------------------------------------------------
+
+
+VLLM_TEXT = """\
+vllm:num_requests_running{model_name="m",engine="0"} 3.0
+vllm:inter_token_latency_seconds_bucket{model_name="m",engine="0",le="0.01"} 10.0
+vllm:inter_token_latency_seconds_count{model_name="m",engine="0"} 400.0
+vllm:inter_token_latency_seconds_sum{model_name="m",engine="0"} 6.0
+lumen_sim_steps_total 7
+lumen_sim_step_seconds_total 0.5
+"""
+
+
+def test_parse_load_reads_vllm_inter_token_latency_else_the_sim_steps() -> None:
+    load = parse_load(VLLM_TEXT)
+    assert (load.step_s, load.steps) == (6.0, 400)  # vLLM's pair, never mixed
+    sim = parse_load("lumen_sim_steps_total 7\nlumen_sim_step_seconds_total 0.5\n")
+    assert (sim.step_s, sim.steps) == (0.5, 7)
+    half = parse_load("vllm:inter_token_latency_seconds_sum 6.0\nlumen_sim_steps_total 7\n")
+    assert (half.step_s, half.steps) == (None, None)  # no complete pair: not exported
+    none = parse_load('vllm:num_requests_running{model_name="m"} 1\n')
+    assert (none.step_s, none.steps) == (None, None)
+    assert none.report().step_s is None and none.report().steps is None
+
+
+def test_step_counters_are_reported_to_10_significant_bits() -> None:
+    r = EngineLoad(running=1, waiting=0, kv_usage=0.0, step_s=1234.5678, steps=123_456).report()
+    assert r.steps is not None and r.step_s is not None
+    assert r.steps <= 123_456 and 123_456 - r.steps < 123_456 / 512
+    assert r.steps == (r.steps >> 7) << 7  # 17 bits, the low 7 dropped
+    assert r.step_s <= 1234.5678 and 1234.5678 - r.step_s < 1234.5678 / 512
+    assert WorkerLoad() == replace(WorkerLoad(), step_s=None, steps=None)  # defaults
+
+
+@pytest.fixture(scope="module")
+def sim_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    engine = start_engine(tmp_path_factory.mktemp("assist-gain"), "gain")
+    try:
+        wait_active(engine)
+        yield engine
+    finally:
+        stop_process(engine.proc)
+
+
+def test_a_sim_engine_exports_its_steps_and_computed_prompt_tokens(sim_engine: Engine
+                                                                   ) -> None:
+    def scrape() -> str:
+        with urllib.request.urlopen(sim_engine.url + "/metrics", timeout=10) as r:
+            return str(r.read().decode())
+
+    before = parse_load(scrape())
+    prompt = "a prompt of some length for the step counters"
+    n_prompt = len(sim_engine.tokens(prompt))
+    sim_engine.ok("/v1/completions", {"prompt": prompt, "max_tokens": 20})
+    text = scrape()
+    after = parse_load(text)
+    assert before.steps is not None and after.steps is not None
+    assert before.step_s is not None and after.step_s is not None
+    assert before.prefill_tokens is not None and after.prefill_tokens is not None
+    # One step per token (one prefill chunk yields the first), each a modelled step.
+    assert after.steps - before.steps == 20
+    assert after.step_s > before.step_s
+    assert after.prefill_tokens - before.prefill_tokens == n_prompt
+    metric = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert after.prefill_tokens == metric["lumen_sim_prefill_tokens_total"]
+    assert after.prefill_s is None  # no prefill time: the cost estimates keep the default
+
+
+# -- the recent step time -------------------------------------------------------------
+
+
+def rec(name: str, at: float, steps: int | None, step_s: float | None, *, running: int = 4,
+        waiting: int = 0, kv: float = 0.5, prefill: int | None = None, engine: str = "0",
+        node: str = "n1") -> WorkerRecord:
+    w = worker(name, node, running=running)
+    return replace(w, updated_at=at,
+                   engines=[EngineInfo(id=f"{name}/{engine}", role="active", state="active",
+                                       url=f"http://{name}:1")],
+                   load=WorkerLoad(running=running, waiting=waiting, kv_usage=kv,
+                                   steps=steps, step_s=step_s, prefill_tokens=prefill))
+
+
+def test_step_time_from_the_counters_growth_not_their_lifetime_ratio() -> None:
+    t = StepTracker()
+    t.observe([rec("a", 0.0, 10_000, 50.0, prefill=1_000_000)])  # 5 ms a step so far
+    assert t.rate("a") is None  # one record: no growth yet
+    t.observe([rec("a", 10.0, 12_000, 90.0, prefill=1_100_000)])  # the last 2000: 20 ms
+    r = t.rate("a")
+    assert r is not None
+    assert math.isclose(r.step_s, 0.02) and r.steps == 2000 and r.span_s == 10.0
+    assert r.prefill_tokens == 100_000
+    t.observe([rec("a", 10.0, 12_000, 90.0)])  # the same record again: no new sample
+    assert t.rate("a") == r
+
+
+def test_growth_within_the_rounding_is_no_step_time() -> None:
+    t = StepTracker()
+    # 1M steps rounded to 10 bits move in steps of 1024: 3000 more is under 4 of them.
+    t.observe([rec("a", 0.0, 1_000_000, 5000.0, prefill=1_000_000)])
+    t.observe([rec("a", 5.0, 1_003_000, 5015.0, prefill=1_003_000)])
+    assert t.rate("a") is None
+    t.observe([rec("a", 10.0, 1_010_000, 5050.0, prefill=1_005_000)])  # from the first
+    r = t.rate("a")
+    assert r is not None and math.isclose(r.step_s, 0.005) and r.steps == 10_000
+    # The prompt tokens' growth within their rounding is not resolved either (share 0).
+    assert r.prefill_tokens is None
+
+
+def test_a_restarted_engine_starts_its_window_anew() -> None:
+    t = StepTracker()
+    t.observe([rec("a", 0.0, 10_000, 50.0)])
+    t.observe([rec("a", 10.0, 12_000, 60.0)])
+    assert t.rate("a") is not None
+    t.observe([rec("a", 20.0, 100, 1.0)])  # counters back near 0: restarted
+    assert t.rate("a") is None  # not a negative growth, no growth at all
+    t.observe([rec("a", 30.0, 1100, 31.0)])
+    r = t.rate("a")
+    assert r is not None and math.isclose(r.step_s, 0.03) and r.steps == 1000
+    # Another active engine (a shadow took over) with larger counters: anew as well.
+    t.observe([rec("a", 40.0, 90_000, 900.0, engine="1")])
+    assert t.rate("a") is None
+
+
+def test_missing_counters_mean_no_step_time_and_old_samples_leave_the_window() -> None:
+    t = StepTracker(window_s=60.0)
+    t.observe([rec("a", 0.0, 10_000, 50.0)])
+    t.observe([rec("a", 10.0, None, None)])  # its engine exports none (or no longer)
+    assert t.rate("a") is None
+    t.observe([rec("a", 20.0, 10_000, 50.0)])
+    t.observe([rec("a", 100.0, 20_000, 150.0)])  # the first is 80 s old: out of the window
+    assert t.rate("a") is None
+    t.observe([])  # the worker left
+    t.observe([rec("a", 110.0, 30_000, 250.0)])
+    assert t.rate("a") is None
+
+
+# -- the gain's inputs ----------------------------------------------------------------
+
+
+def test_tokens_per_round_from_the_measured_acceptance_else_the_prior() -> None:
+    k = draft_tokens("sim")
+    prior = sum(ASSIST_PRIOR_AGREEMENT ** i for i in range(k + 1))
+    assert math.isclose(tokens_per_round(k), prior)
+    assert math.isclose(tokens_per_round(k, MIN_DRAFTED - 1, MIN_DRAFTED - 1), prior)
+    assert math.isclose(tokens_per_round(k, 400, 100), 1 + k * 0.25)
+    assert draft_tokens("vllm") == 3 and draft_tokens("sim") == 4
+
+
+def test_assist_inputs_model_the_verify_cost_and_the_prefill() -> None:
+    t = StepTracker()
+    t.observe([rec("a", 0.0, 10_000, 50.0, prefill=1_000_000)])
+    t.observe([rec("a", 10.0, 12_000, 70.0, prefill=1_020_000)])
+    rate = t.rate("a")
+    load = WorkerLoad(running=8, waiting=0, kv_usage=0.5)
+    x = assist_inputs(load, rate, 4, 2.0, 1e-4)
+    assert x is not None
+    assert math.isclose(x.step_s, 0.01)
+    assert math.isclose(x.verify_extra_s, 8 * 4 * 1e-4 + ASSIST_ROUND_S)
+    assert math.isclose(x.prefill_share, 20_000 * 1e-4 / 10.0)  # 0.2 of the window
+    assert not x.prefill_waiting and not x.capacity_bound
+    assert math.isclose(x.gain, assist_gain(0.01, x.verify_extra_s, 2.0, False, False, 0.2))
+    waiting = assist_inputs(replace(load, waiting=3), rate, 4, 2.0, 1e-4)
+    assert waiting is not None and waiting.prefill_waiting and waiting.gain < 0
+    full = assist_inputs(replace(load, waiting=3, kv_usage=0.95), rate, 4, 2.0, 1e-4)
+    assert full is not None and full.capacity_bound and full.gain > 0
+    assert assist_inputs(load, None, 4, 2.0, 1e-4) is None  # running, no step time
+    idle = assist_inputs(WorkerLoad(), None, 4, 2.0, 1e-4)  # nothing to speed up
+    assert idle is not None and idle.gain == 0.0
+
+
+# -- the coordinator's choice ---------------------------------------------------------
+
+
+def survivors(at: float, grown: bool, *, a_waiting: int = 0, steps: bool = True
+              ) -> list[WorkerRecord]:
+    """a: 4 running, 10 ms steps; b: the most loaded, 40 running and 6 waiting (its prefill
+    waits, so verifying drafts only delays it). `grown`: the counters after 10 s."""
+    n = 2000 if grown else 0
+
+    def counters(step: float) -> tuple[int | None, float | None]:
+        return (10_000 + n, 100.0 + n * step) if steps else (None, None)
+
+    a_steps, a_s = counters(0.010)
+    b_steps, b_s = counters(0.030)
+    return [rec("a", at, a_steps, a_s, running=4, waiting=a_waiting, node="n1"),
+            rec("b", at, b_steps, b_s, running=40, waiting=6, kv=0.6, node="n2")]
+
+
+def decide(c: CoordinatorService, *, a_waiting: int = 0, steps: bool = True
+           ) -> tuple[str | None, list[str]]:
+    """Two views 10 s apart; the survivor the second one's decision picks, and the
+    events' messages."""
+    assert c.assist_ops(view(*survivors(0.0, False, a_waiting=a_waiting, steps=steps)),
+                        KEYS, now=0.0) == []
+    ops = c.assist_ops(view(*survivors(10.0, True, a_waiting=a_waiting, steps=steps),
+                            assisting("r", "n3")), KEYS, now=10.0)
+    got = puts(ops)
+    return (got["r"].survivor if "r" in got else None), [e.message for e in events(ops)]
+
+
+def test_the_survivor_with_the_highest_positive_gain_is_chosen_not_the_most_loaded() -> None:
+    survivor, messages = decide(CoordinatorService("n1", 7, lambda: None))
+    assert survivor == "a"
+    (message,) = messages
+    assert "predicted gain +" in message and "the highest" in message
+
+
+def test_no_assignment_while_every_gain_is_not_positive() -> None:
+    c = CoordinatorService("n1", 7, lambda: None)
+    survivor, messages = decide(c, a_waiting=2)  # prefill waits on a as well
+    assert survivor is None and messages == []
+    assert c.decisions["assist"] == 0
+
+
+def test_without_step_costs_the_most_loaded_is_chosen() -> None:
+    survivor, messages = decide(CoordinatorService("n1", 7, lambda: None), steps=False)
+    assert survivor == "b"  # the same loads: Algorithm 3 as published
+    (message,) = messages
+    assert "the most loaded; L_hat, no step costs for a, b" in message
