@@ -408,9 +408,39 @@ def gateway_counter(node: LumendNode, name: str) -> dict[str, float]:
 
 
 # How long a frozen engine is watched: its streams stand still, the other engine's move (tens
-# of tokens a second here). Well inside lumend's hung-engine limit (3 probes x 2 s).
+# of tokens a second here). A stream stands still only once what the engine had sent before
+# the freeze has reached the client: on a starved machine the gateway can run seconds behind
+# an engine that streams several tokens a chunk, so a frozen engine's streams still move in
+# the first windows. Windows of FREEZE_S until one shows a frozen stream standing still, at
+# most FREEZE_WINDOWS: 0.3 + 4 x 0.8 s, well inside lumend's hung-engine limit (3 probes x
+# 2 s).
 SETTLE_S = 0.3  # what the engine sent before the freeze reaches the client first
 FREEZE_S = 0.8
+FREEZE_WINDOWS = 4
+
+
+@dataclass
+class Look:
+    """One freeze of the victim, as the round's print reports it when no kill came."""
+    open_there: float  # streams the gateway had open on the victim's worker
+    standing_still: int  # watched streams that did not move in the last window
+    short: int  # of those, how many had fewer tokens than the kill wants
+    windows: int  # freeze windows watched
+    states: dict[str, int]  # the victim's processes by state at the freeze ("T": stopped)
+
+
+def group_states(pgid: int) -> dict[str, int]:
+    """The processes of process group `pgid` counted by their state letter in /proc (a
+    frozen group is all "T"): shows whether the SIGSTOP reached every process serving."""
+    states: dict[str, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        if int(fields[2]) == pgid:
+            states[fields[0]] = states.get(fields[0], 0) + 1
+    return states
 
 
 @dataclass
@@ -446,7 +476,7 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
     deadline = time.monotonic() + 300
     looks = 0
     most: dict[str, float] = {}  # the most streams the gateway had open on each worker
-    looked: list[tuple[float, int, int]] = []  # per look: open there, standing still, short
+    looked: list[Look] = []
     while not all(t.done() for t in tasks):
         assert time.monotonic() < deadline, f"no moment to kill {worker}: tokens {seen}"
         running = await asyncio.to_thread(streams_by_worker, gateway_node, True)
@@ -457,21 +487,28 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
         os.killpg(pid, signal.SIGSTOP)
         looks += 1
         await asyncio.sleep(SETTLE_S)
-        before = [n for n, in seen]
-        await asyncio.sleep(FREEZE_S)
-        still = [i for i in wanted if not tasks[i].done() and seen[i][0] == before[i]]
+        frozen = group_states(pid)
+        still: list[int] = []
+        window = 0
+        while not still and window < FREEZE_WINDOWS:
+            window += 1
+            before = [n for n, in seen]
+            await asyncio.sleep(FREEZE_S)
+            still = [i for i in wanted if not tasks[i].done() and seen[i][0] == before[i]]
         there = (await asyncio.to_thread(streams_by_worker, gateway_node, True)).get(worker, 0)
-        looked.append((there, len(still), sum(seen[i][0] < wanted[i] for i in still)))
+        looked.append(Look(there, len(still), sum(seen[i][0] < wanted[i] for i in still),
+                           window, frozen))
         if still and there and all(seen[i][0] >= wanted[i] for i in still):
             os.killpg(pid, signal.SIGKILL)
-            print(f"killed {worker}'s engine at look {looks}: {there:g} streams open there, "
-                  f"watched ones standing still with {[seen[i][0] for i in still]} tokens")
+            print(f"killed {worker}'s engine at look {looks} (window {window}): {there:g} "
+                  f"streams open there, watched ones standing still with "
+                  f"{[seen[i][0] for i in still]} tokens; its processes at the freeze: {frozen};"
+                  f" the looks before: {looked[:-1]}")
             return Kill(still, there)
         os.killpg(pid, signal.SIGCONT)
         await asyncio.sleep(0.3)
     print(f"every stream ended before a moment to kill {worker}'s engine came ({looks} looks;"
-          f" the most streams open on each worker: {most}; per look (open there, standing "
-          f"still, short of tokens): {looked}; tokens {seen})")
+          f" the most streams open on each worker: {most}; per look: {looked}; tokens {seen})")
     return None
 
 
