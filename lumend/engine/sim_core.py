@@ -12,7 +12,9 @@ that property, as real tokenizers do not: there a stream resumes exactly only by
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 import random
 import struct
@@ -100,6 +102,39 @@ def kv_page(block_hash: bytes, page_bytes: int) -> bytes:
 # The step-time formula `a + b*prefill + c*prefill^2 + d*decode_batch + e*decode_context` is
 # the cluster simulator's (one class, so the sim engine and `lumenctl sim` cannot drift apart).
 StepCost = StepCoefficients
+
+
+# vLLM 0.32's bounds for its request phase histograms (vllm.v1.metrics.buckets
+# .REQUEST_LATENCY_BUCKETS), `vllm:request_prefill_time_seconds` among them.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram's state: observations per bucket (`counts[i]`: those at most
+    `bounds[i]` and above the bound before; the last, those above every bound), sum and
+    count."""
+
+    bounds: tuple[float, ...] = REQUEST_LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at most it) per bucket, +inf last: the `_bucket`
+        series."""
+        return list(zip((*self.bounds, math.inf), itertools.accumulate(self.counts),
+                        strict=True))
 
 
 @dataclass
@@ -221,6 +256,11 @@ class SimRequest:
     sampling: Sampling = field(default_factory=Sampling)
     tail: bytes = b""  # the incomplete UTF-8 character the context ends with
     finished: bool = False
+    # On the scheduler's timeline (`Scheduler.now_s`): the start of the first step that
+    # computed for it, and the interval from there to the end of the step that gave its
+    # first token (vLLM's prefill time); None until then.
+    scheduled_s: float | None = None
+    prefill_s: float | None = None
 
     @property
     def context_len(self) -> int:
@@ -272,6 +312,19 @@ class Scheduler:
         self.prefill_tokens = 0  # prompt tokens computed (restored blocks are not)
         self.drafted_tokens = 0  # draft-assist: drafted tokens verified
         self.accepted_tokens = 0  # ... and accepted
+        # The timeline prefill times are measured on: the end of the last step, the sum of
+        # the steps' durations (`end_step`); the engine's is its paced, time-scaled steps.
+        self.now_s = 0.0
+        self._step_s = 0.0  # the step in progress: begin_step's duration
+        # vLLM's `vllm:request_prefill_time_seconds` (0.32, vllm.v1.metrics.stats): per
+        # request, from the start of the first step scheduled for it to the end of the step
+        # that gave its first token (every step between counts whole: chunked prefill, a
+        # batch shared with other requests), observed when the request finishes (ends by
+        # length or stop; an aborted request is not observed, as vLLM's client aborts). A
+        # request resumed from a checkpoint counts too, from the step computing the rest of
+        # its prompt: its restore precedes its admission, as vLLM's asynchronous KV loads
+        # precede scheduling, and its loaded tokens are not in `prefill_tokens`.
+        self.prefill_time = Histogram()
 
     def add(self, request: SimRequest) -> None:
         request.state = context_state(self.seed, request.prompt)
@@ -306,16 +359,21 @@ class Scheduler:
             remaining = len(r.prompt) - r.prefilled
             if remaining > 0:
                 chunk = min(remaining, budget)
+                if chunk and r.scheduled_s is None:
+                    r.scheduled_s = self.now_s  # scheduled: this step computes for it
                 r.prefilled += chunk
                 budget -= chunk
                 prefill_tokens += chunk
                 if r.prefilled == len(r.prompt):
                     decoding.append(r)  # the last prefill chunk also yields a token
             else:
+                if r.scheduled_s is None:  # nothing to prefill (an empty prompt)
+                    r.scheduled_s = self.now_s
                 decoding.append(r)
         context = sum(r.context_len for r in decoding)
         self.prefill_tokens += prefill_tokens
-        return self.cost.step_time(prefill_tokens, len(decoding), context), decoding
+        self._step_s = self.cost.step_time(prefill_tokens, len(decoding), context)
+        return self._step_s, decoding
 
     def verify_seconds(self, drafted_tokens: int) -> float:
         """What verifying drafted tokens adds to a step: they are computed like prompt
@@ -323,13 +381,19 @@ class Scheduler:
         return self.cost.b * drafted_tokens
 
     def end_step(self, decoding: list[SimRequest],
-                 drafts: Mapping[str, Sequence[int]] | None = None) -> None:
+                 drafts: Mapping[str, Sequence[int]] | None = None,
+                 step_s: float | None = None) -> None:
         """Commit each request's next tokens: one, or up to the model's tokens per chunk;
         with `drafts` (tokens proposed after a request's context), also every drafted
         token that matches the target's, up to the first that does not: the longest
         matching prefix plus one token of the target's own, as speculative decoding
         verifies them. The output is the same either way; a step's tokens are one
-        `StepOutput` (one streamed chunk)."""
+        `StepOutput` (one streamed chunk).
+
+        `step_s`: how long the step took on the timeline prefill times are measured on
+        (the engine: its modelled duration, verify included, x the time scale, as paced);
+        default: `begin_step`'s duration."""
+        self.now_s += self._step_s if step_s is None else step_s
         for r in decoding:
             if r.cancelled:
                 continue
@@ -337,7 +401,12 @@ class Scheduler:
             # Tokens past max_tokens are never verified (nor counted as drafted).
             proposal = proposal[:max(0, r.max_tokens - len(r.output) - 1)]
             self.drafted_tokens += len(proposal)
+            first = not r.output
             self._commit(r, proposal)
+            if first and r.scheduled_s is not None:
+                r.prefill_s = self.now_s - r.scheduled_s
+            if r.finished and r.prefill_s is not None:
+                self.prefill_time.observe(r.prefill_s)
         self.running = [r for r in self.running if not r.finished and not r.cancelled]
         self.steps += 1
 

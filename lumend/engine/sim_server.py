@@ -31,6 +31,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -49,6 +50,7 @@ from lumend.engine.metric_names import (
 )
 from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer
 from lumend.engine.sim_core import (
+    Histogram,
     Sampling,
     Scheduler,
     SimRequest,
@@ -284,11 +286,12 @@ class SimEngine:
                 drafts = await attachment.drafts(_contexts(decoding), counters)
                 duration += self.scheduler.verify_seconds(
                     sum(len(d) for d in drafts.values()))
-            await asyncio.sleep(self.clock.begin(time.monotonic(),
-                                                 duration * self.opts.time_scale))
+            step_s = duration * self.opts.time_scale  # the step as paced: its time base
+            await asyncio.sleep(self.clock.begin(time.monotonic(), step_s))
             s = self.scheduler
             drafted, accepted = s.drafted_tokens, s.accepted_tokens
-            s.end_step(decoding, drafts)
+            # Prefill times on the paced steps' timeline, as lumen_sim_step_seconds_total.
+            s.end_step(decoding, drafts, step_s)
             if attachment is not None and counters is not None:
                 counters.drafted_tokens += s.drafted_tokens - drafted
                 counters.accepted_tokens += s.accepted_tokens - accepted
@@ -318,6 +321,19 @@ class SimEngine:
         self.requests_total += 1
         self._work.set()
         return request, queue
+
+
+def _histogram_lines(name: str, labels: str, histogram: Histogram) -> list[str]:
+    """A histogram in the Prometheus text format, as prometheus_client writes vLLM's (its
+    TYPE line: the only one here, so that a Prometheus parser reads one histogram)."""
+    def bound(le: float) -> str:
+        return "+Inf" if le == math.inf else repr(float(le))
+
+    return [f"# TYPE {name} histogram",
+            *(f'{name}_bucket{{{labels},le="{bound(le)}"}} {n}'
+              for le, n in histogram.cumulative()),
+            f"{name}_count{{{labels}}} {histogram.count}",
+            f"{name}_sum{{{labels}}} {histogram.sum!r}"]
 
 
 def _contexts(decoding: list[SimRequest]) -> dict[str, list[int]]:
@@ -454,6 +470,11 @@ def build_app(engine: SimEngine) -> web.Application:
             # which lumend reads into the worker's load (prefill_tokens) from both kinds.
             f'vllm:prompt_tokens_by_source_total{{model_name="{served[0]}",'
             f'source="local_compute"}} {s.prefill_tokens}',
+            # vLLM's per-request prefill time (scheduled -> first token) on the paced
+            # steps' timeline (modelled x time scale, as the step seconds above): lumend
+            # reads its sum / the computed prompt tokens as the prefill cost per token.
+            *_histogram_lines("vllm:request_prefill_time_seconds",
+                              f'model_name="{served[0]}"', s.prefill_time),
             f"lumen_sim_sleeping {1 if engine.memory.sleeping else 0}",
             f'lumen_sim_weight_loads_total{{source="disk"}} {engine.weight_loads["disk"]}',
             f'lumen_sim_weight_loads_total{{source="gms"}} {engine.weight_loads["gms"]}',
