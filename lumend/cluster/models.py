@@ -172,6 +172,9 @@ class AssistAssignment(msgspec.Struct, frozen=True, kw_only=True):
     assigned_at: float
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # The survivor's mean step time before the drafts (seconds; 0: not measured): what the
+    # coordinator compares its assisted steps with to stop an assignment that hurts.
+    step_s_before: float = 0.0
 
 
 class RecoveryDecision(msgspec.Struct, frozen=True, kw_only=True):

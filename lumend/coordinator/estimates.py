@@ -309,8 +309,12 @@ class StepTracker:
         for name in set(self._samples) - seen:
             del self._samples[name]
 
-    def rate(self, worker: str) -> StepRate | None:
+    def rate(self, worker: str, since: float | None = None) -> StepRate | None:
+        """The recent mean step time, from the newest record and the newest older one
+        with enough growth; `since`: only records from then on (steps taken after it)."""
         history = self._samples.get(worker)
+        if since is not None and history:
+            history = [s for s in history if s.at >= since]
         if not history:
             return None
         new = history[-1]
@@ -372,6 +376,37 @@ class AssistInputs:
                if self.prefill_waiting else f"prefill share {self.prefill_share:.2f}")
         return (f"step {self.step_s * 1e3:.3g} ms, verify +{self.verify_extra_s * 1e3:.3g} "
                 f"ms, {self.tokens_per_round:.2f} tokens per round, {why}")
+
+
+# An assignment is judged on its own steps once its drafts had time to arrive (the attach,
+# the first rounds) and enough of them were verified; it ends when its measured gain is
+# below -HURT_MARGIN (noise in two step means is a few per cent), and that drafter is not
+# given that survivor again for a cooldown that doubles each time (HURT_COOLDOWN_S up to
+# HURT_COOLDOWN_MAX_S), so a gain that only the prediction sees does not flap on and off.
+ASSIST_SETTLE_S = 5.0
+MIN_JUDGED_DRAFTS = 4 * MIN_DRAFTED
+HURT_MARGIN = 0.05
+HURT_COOLDOWN_S = 30.0
+HURT_COOLDOWN_MAX_S = 600.0
+
+
+def measured_inputs(load: WorkerLoad, before_s: float, assisted: StepRate, tpr: float,
+                    prefill_s_per_token: float) -> AssistInputs | None:
+    """The gain's inputs for a survivor being assisted, from what was measured: its step
+    time before the drafts (`before_s`) and with them (`assisted`), the verify cost being
+    their difference, and the acceptance (`tpr`); None when there is no before to compare
+    with or it runs nothing. Same rule as the prediction (policy.assist_gain), so a
+    prediction that was right keeps the assignment and one that was wrong ends it."""
+    if before_s <= 0 or load.running <= 0:
+        return None
+    share = 0.0
+    if assisted.prefill_tokens is not None and assisted.span_s > 0:
+        share = min(1.0, assisted.prefill_tokens * prefill_s_per_token / assisted.span_s)
+    waiting = load.waiting > 0
+    return AssistInputs(
+        step_s=before_s, verify_extra_s=max(0.0, assisted.step_s - before_s),
+        tokens_per_round=tpr, prefill_waiting=waiting,
+        capacity_bound=waiting and load.kv_usage >= KV_BOUND, prefill_share=share)
 
 
 def assist_inputs(load: WorkerLoad, rate: StepRate | None, k: int, tpr: float,

@@ -49,12 +49,18 @@ from lumend.cluster.models import (
 from lumend.cluster.store import Delete, Op, Put
 from lumend.cluster.view import ClusterView
 from lumend.coordinator.estimates import (
+    ASSIST_SETTLE_S,
+    HURT_COOLDOWN_MAX_S,
+    HURT_COOLDOWN_S,
+    HURT_MARGIN,
+    MIN_JUDGED_DRAFTS,
     AssistInputs,
     CostEstimates,
     StepTracker,
     assist_inputs,
     draft_tokens,
     estimate,
+    measured_inputs,
     tokens_per_round,
 )
 from lumend.coordinator.loadbook import (
@@ -120,6 +126,9 @@ class CoordinatorService:
         # positive gain (logged once until they are assigned or stop assisting).
         self.steps = StepTracker()
         self._declined: set[str] = set()
+        # (drafter, survivor) pairs whose assignment hurt: not paired again until the
+        # first time, with the cooldown that got them there (doubled at each repeat).
+        self._benched: dict[tuple[str, str], tuple[float, float]] = {}
         self._event_seq = 0
         # Recovery plans changed here and not yet read back from etcd, by failed worker.
         self._plans: dict[str, RecoveryPlan] = {}
@@ -432,7 +441,8 @@ class CoordinatorService:
             elif not policy.uses_assist:
                 why = f"policy {policy.mode.value} has no draft-assist"
             else:
-                why = ""
+                why = self._hurts(a, survivor, policy.recompute_s_per_token, now) \
+                    if policy.cost_aware else ""
             if why:
                 self.decisions["assist_end"] += 1
                 ops += [Delete(keys.assist(name)),
@@ -453,6 +463,9 @@ class CoordinatorService:
             return ops
         assisted = {a.survivor for a in kept.values()}
         self._declined &= {w.name for w in view.workers.values() if w.state == "assisting"}
+        # A pair benched long enough ago is forgotten: its next cooldown starts anew.
+        self._benched = {pair: b for pair, b in self._benched.items()
+                         if b[0] > now - HURT_COOLDOWN_MAX_S}
         for worker in sorted(view.workers.values(), key=lambda w: w.name):
             if (worker.state != "assisting" or not worker.draft or worker.name in kept
                     or worker.node not in view.nodes):
@@ -460,7 +473,8 @@ class CoordinatorService:
 
             def target(w: WorkerRecord, me: WorkerRecord = worker) -> bool:
                 return (eligible(view, w) and w.name != me.name and w.model == me.model
-                        and w.name not in assisted)
+                        and w.name not in assisted
+                        and self._benched.get((me.name, w.name), (0.0, 0.0))[0] <= now)
 
             inputs: dict[int, AssistInputs] = {}
             table = self._table(view, target, inputs if policy.cost_aware else None)
@@ -483,9 +497,11 @@ class CoordinatorService:
                 continue
             self._declined.discard(worker.name)
             survivor = table.workers[index]
+            before = inputs[index].step_s if gains is not None and index in inputs else 0.0
             a = AssistAssignment(id=f"{worker.name}:{uuid.uuid4().hex[:8]}",
                                  recovering=worker.name, survivor=survivor.name,
-                                 endpoint=worker.draft, epoch=self.epoch, assigned_at=now)
+                                 endpoint=worker.draft, epoch=self.epoch, assigned_at=now,
+                                 step_s_before=before)
             assisted.add(survivor.name)
             self.decisions["assist"] += 1
             if gains is not None:
@@ -506,6 +522,34 @@ class CoordinatorService:
             ops += [Put(keys.assist(worker.name), encode_value(a)),
                     self._event(keys, now, "assist_assigned", reason, "-assist")]
         return ops
+
+    def _hurts(self, a: AssistAssignment, survivor: WorkerRecord, prefill_s_per_token: float,
+               now: float) -> str:
+        """Why assignment `a` should end because it slows its survivor down, or "": its
+        gain measured on its own steps (estimates.measured_inputs: the step time before the
+        drafts against the steps since, at the acceptance reached) below -HURT_MARGIN, once
+        MIN_JUDGED_DRAFTS were verified. The pair is then benched (HURT_COOLDOWN_S, doubled
+        at each repeat up to HURT_COOLDOWN_MAX_S)."""
+        if a.step_s_before <= 0 or a.drafted_tokens < MIN_JUDGED_DRAFTS:
+            return ""
+        assisted = self.steps.rate(survivor.name, since=a.assigned_at + ASSIST_SETTLE_S)
+        if assisted is None:
+            return ""
+        k = draft_tokens(survivor.engine)
+        tpr = tokens_per_round(k, a.drafted_tokens, a.accepted_tokens)
+        inputs = measured_inputs(survivor.load, a.step_s_before, assisted, tpr,
+                                 prefill_s_per_token)
+        if inputs is None or inputs.gain >= -HURT_MARGIN:
+            return ""
+        pair = (a.recovering, a.survivor)
+        cooldown = self._benched.get(pair, (0.0, HURT_COOLDOWN_S / 2))[1] * 2
+        cooldown = min(HURT_COOLDOWN_MAX_S, cooldown)
+        self._benched[pair] = (now + cooldown, cooldown)
+        self.decisions["assist_hurt"] += 1
+        return (f"it hurts: measured gain {inputs.gain:+.3f}, step "
+                f"{a.step_s_before * 1e3:.3g} ms before the drafts and "
+                f"{assisted.step_s * 1e3:.3g} ms with them; not paired again for "
+                f"{cooldown:g} s")
 
     def _event(self, keys: Keys, now: float, kind: str, message: str, duty: str) -> Put:
         self._event_seq = (self._event_seq + 1) % 10000

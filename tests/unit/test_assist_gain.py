@@ -12,7 +12,9 @@ import pytest
 from msgspec.structs import replace
 
 from lumenctl.localcluster import stop_process
-from lumend.cluster.models import EngineInfo, WorkerLoad, WorkerRecord
+from lumend.cluster.models import AssistAssignment, EngineInfo, WorkerLoad, WorkerRecord
+from lumend.cluster.store import Delete, Op
+from lumend.cluster.view import ClusterView
 from lumend.coordinator.estimates import (
     ASSIST_PRIOR_AGREEMENT,
     ASSIST_ROUND_S,
@@ -96,7 +98,10 @@ def test_a_sim_engine_exports_its_steps_and_computed_prompt_tokens(sim_engine: E
     metric = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
               for line in text.splitlines() if line and not line.startswith("#")}
     assert after.prefill_tokens == metric["lumen_sim_prefill_tokens_total"]
-    assert after.prefill_s is None  # no prefill time: the cost estimates keep the default
+    # Its prefill time, as vLLM's request_prefill_time_seconds (tests/unit/
+    # test_sim_prefill_time.py checks it against the cost model).
+    assert after.prefill_s is not None and before.prefill_s is not None
+    assert after.prefill_s > before.prefill_s
 
 
 # -- the recent step time -------------------------------------------------------------
@@ -250,3 +255,79 @@ def test_without_step_costs_the_most_loaded_is_chosen() -> None:
     assert survivor == "b"  # the same loads: Algorithm 3 as published
     (message,) = messages
     assert "the most loaded; L_hat, no step costs for a, b" in message
+
+
+# -- an assignment judged on its own steps ----------------------------------------------
+
+
+def assisted_view(at: float, a_steps: int, a_s: float, assignment: AssistAssignment | None,
+                  drafter: bool = True) -> ClusterView:
+    """Survivor a (4 running) with its step counters at `at`, b (its prefill waits: never
+    a gain) and the drafter r (unless not `drafter`), under `assignment` if any."""
+    workers = [rec("a", at, a_steps, a_s, running=4, node="n1"),
+               rec("b", at, 10_000 + 200 * int(at), 100.0 + 6 * at, running=40, waiting=6,
+                   kv=0.6, node="n2")]  # 30 ms a step
+    if drafter:
+        workers.append(assisting("r", "n3"))
+    return view(*workers, assists=None if assignment is None else {"r": assignment})
+
+
+def assign_a(c: CoordinatorService) -> AssistAssignment:
+    """Two views 10 s apart with a at 10 ms a step: r is assigned to a."""
+    assert c.assist_ops(assisted_view(0.0, 10_000, 100.0, None, drafter=False), KEYS,
+                        now=0.0) == []
+    got = puts(c.assist_ops(assisted_view(10.0, 12_000, 120.0, None), KEYS, now=10.0))
+    assert got["r"].survivor == "a"
+    assert math.isclose(got["r"].step_s_before, 0.010)  # what it is judged against
+    return got["r"]
+
+
+def judged(c: CoordinatorService, a: AssistAssignment, step: float, accepted: int,
+           at: float = 40.0) -> tuple[list[Op], AssistAssignment]:
+    """a takes 2000 steps of `step` s between 20 and `at` with r's drafts, 400 drafted
+    and `accepted` of them accepted: the ops of the cycle at `at`."""
+    a = replace(a, drafted_tokens=400, accepted_tokens=accepted)
+    c.assist_ops(assisted_view(20.0, 14_000, 140.0, a), KEYS, now=20.0)
+    ops = c.assist_ops(assisted_view(at, 16_000, 140.0 + 2000 * step, a), KEYS, now=at)
+    return ops, a
+
+
+def test_an_assignment_that_slows_its_survivor_ends_and_the_pair_is_benched() -> None:
+    c = CoordinatorService("n1", 7, lambda: None)
+    a = assign_a(c)
+    # 30 ms a step with the drafts (10 before), 10 % of them accepted: 1.4 tokens a round
+    # for 3x the step: the measured gain is 1.4 / 3 - 1 = -0.53.
+    ops, _ = judged(c, a, 0.030, 40)
+    assert any(isinstance(op, Delete) and op.key == KEYS.assist("r") for op in ops)
+    (ended,) = [e for e in events(ops) if e.kind == "assist_ended"]
+    assert "it hurts: measured gain -0.53" in ended.message
+    assert "not paired again for 30 s" in ended.message
+    assert "r" not in puts(ops)  # b's prefill waits: no other survivor gains either
+    assert c.decisions["assist_hurt"] == 1
+    # Benched: a's steps are back to 10 ms, yet r is not given a again before 30 s...
+    v = assisted_view(60.0, 18_000, 140.0 + 2000 * 0.030 + 2000 * 0.010, None)
+    assert "r" not in puts(c.assist_ops(v, KEYS, now=60.0))
+    # ...and is after them, to be judged again (a second hurt benches it for 60 s).
+    v = assisted_view(75.0, 20_000, 140.0 + 2000 * 0.030 + 4000 * 0.010, None)
+    again = puts(c.assist_ops(v, KEYS, now=75.0))
+    assert again["r"].survivor == "a"
+
+
+def test_an_assignment_that_speeds_its_survivor_up_is_kept() -> None:
+    # The negative control: 11 ms a step with the drafts, half of them accepted (3 tokens
+    # a round for 1.1x the step: +1.7).
+    c = CoordinatorService("n1", 7, lambda: None)
+    ops, _ = judged(c, assign_a(c), 0.011, 200)
+    assert not [op for op in ops if isinstance(op, Delete)]
+    assert not events(ops) and c.decisions["assist_hurt"] == 0
+
+
+def test_too_few_drafts_or_no_step_before_are_not_judged() -> None:
+    c = CoordinatorService("n1", 7, lambda: None)
+    a = assign_a(c)
+    c.assist_ops(assisted_view(20.0, 14_000, 140.0, a), KEYS, now=20.0)
+    slow = assisted_view(40.0, 16_000, 200.0, a)  # 30 ms a step, but nothing drafted yet
+    assert not [op for op in c.assist_ops(slow, KEYS, now=40.0) if isinstance(op, Delete)]
+    unmeasured = replace(a, drafted_tokens=400, accepted_tokens=0, step_s_before=0.0)
+    v = assisted_view(60.0, 18_000, 260.0, unmeasured)  # an assignment made by L_hat
+    assert not [op for op in c.assist_ops(v, KEYS, now=60.0) if isinstance(op, Delete)]
