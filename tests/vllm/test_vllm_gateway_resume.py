@@ -414,6 +414,7 @@ def gateway_counter(node: LumendNode, name: str) -> dict[str, float]:
 # the first windows. Windows of FREEZE_S until one shows a frozen stream standing still, at
 # most FREEZE_WINDOWS: 0.3 + 4 x 0.8 s, well inside lumend's hung-engine limit (3 probes x
 # 2 s).
+MOVING_S = 0.3  # a stream that gained tokens in this long before a freeze was moving
 SETTLE_S = 0.3  # what the engine sent before the freeze reaches the client first
 FREEZE_S = 0.8
 FREEZE_WINDOWS = 4
@@ -423,7 +424,7 @@ FREEZE_WINDOWS = 4
 class Look:
     """One freeze of the victim, as the round's print reports it when no kill came."""
     open_there: float  # streams the gateway had open on the victim's worker
-    standing_still: int  # watched streams that did not move in the last window
+    standing_still: int  # watched streams moving before it that did not in its last window
     short: int  # of those, how many had fewer tokens than the kill wants
     windows: int  # freeze windows watched
     states: dict[str, int]  # the victim's processes by state at the freeze ("T": stopped)
@@ -469,8 +470,8 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
     open and each has its tokens. Which stream lands on which engine, and how fast each runs,
     no test controls: waits on token counts alone lost that race both ways in CI (the
     victim's streams had ended before the kill, or had no full block yet). So the engine is
-    frozen (SIGSTOP) to look: the open streams that stand still while it is frozen are its
-    own. If there are some and each has its tokens, it dies frozen; else it runs on a
+    frozen (SIGSTOP) to look: the streams that moved just before and stand still while it
+    is frozen are its own. If there are some and each has its tokens, it dies frozen; else it runs on a
     little and is looked at again. None when every stream ended first: the admissions sent
     no watched stream there (the coordinator's choice, by its load estimates)."""
     deadline = time.monotonic() + 300
@@ -484,6 +485,15 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
         if not running.get(worker) or max(seen[i][0] for i in wanted) < min(wanted.values()):
             await asyncio.sleep(0.02)
             continue
+        # Only streams that move now can show, by standing still, that they are the frozen
+        # engine's: one not started yet, or crawling on a busy survivor, stands still
+        # anyway (and, short of tokens, held every kill back while the victim's streams
+        # ran to their end: the cause of the rounds without a moment).
+        pre = [n for n, in seen]
+        await asyncio.sleep(MOVING_S)
+        moving = [i for i in wanted if not tasks[i].done() and seen[i][0] > pre[i]]
+        if not moving:
+            continue
         os.killpg(pid, signal.SIGSTOP)
         looks += 1
         await asyncio.sleep(SETTLE_S)
@@ -494,7 +504,7 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
             window += 1
             before = [n for n, in seen]
             await asyncio.sleep(FREEZE_S)
-            still = [i for i in wanted if not tasks[i].done() and seen[i][0] == before[i]]
+            still = [i for i in moving if not tasks[i].done() and seen[i][0] == before[i]]
         there = (await asyncio.to_thread(streams_by_worker, gateway_node, True)).get(worker, 0)
         looked.append(Look(there, len(still), sum(seen[i][0] < wanted[i] for i in still),
                            window, frozen))

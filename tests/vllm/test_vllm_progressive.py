@@ -159,5 +159,10 @@ def test_a_reloading_vllm_worker_assists_the_survivor_then_serves(
 
     asyncio.run(scenario())
     assignment = seen["assignment"]
+    # Which rule chose the survivor: vLLM exports its step counters (inter-token latency),
+    # so the coordinator predicts the gain once it has seen them grow, else L_hat.
+    reasons = [e["message"] for e in lumenctl(etcd, "events", "-n", "200")["events"]
+               if e["kind"] == "assist_assigned"]
+    print("assist assigned:", "; ".join(reasons))
     assert assignment["survivor"] != seen["victim"]
     assert 0 < assignment["accepted_tokens"] <= assignment["drafted_tokens"]
