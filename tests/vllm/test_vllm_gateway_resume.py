@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,18 +472,21 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
     no test controls: waits on token counts alone lost that race both ways in CI (the
     victim's streams had ended before the kill, or had no full block yet). So the engine is
     frozen (SIGSTOP) to look: the streams that moved just before and stand still while it
-    is frozen are its own. If there are some and each has its tokens, it dies frozen; else it runs on a
-    little and is looked at again. None when every stream ended first: the admissions sent
-    no watched stream there (the coordinator's choice, by its load estimates)."""
+    is frozen are its own. If there are some and each has its tokens, it dies frozen; else
+    it runs on a little and is looked at again. None when every stream ended first: the
+    admissions sent no watched stream there (the coordinator's choice, by its load
+    estimates), or none was moving when it had some."""
     deadline = time.monotonic() + 300
     looks = 0
     most: dict[str, float] = {}  # the most streams the gateway had open on each worker
     looked: list[Look] = []
+    passed: Counter[str] = Counter()  # the moments not looked at, by why
     while not all(t.done() for t in tasks):
         assert time.monotonic() < deadline, f"no moment to kill {worker}: tokens {seen}"
         running = await asyncio.to_thread(streams_by_worker, gateway_node, True)
         most = {w: max(most.get(w, 0.0), running.get(w, 0.0)) for w in {*most, *running}}
         if not running.get(worker) or max(seen[i][0] for i in wanted) < min(wanted.values()):
+            passed["none open there" if not running.get(worker) else "too few tokens"] += 1
             await asyncio.sleep(0.02)
             continue
         # Only streams that move now can show, by standing still, that they are the frozen
@@ -493,6 +497,7 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
         await asyncio.sleep(MOVING_S)
         moving = [i for i in wanted if not tasks[i].done() and seen[i][0] > pre[i]]
         if not moving:
+            passed["no stream moving"] += 1
             continue
         os.killpg(pid, signal.SIGSTOP)
         looks += 1
@@ -518,7 +523,8 @@ async def kill_mid_stream(pid: int, gateway_node: LumendNode, worker: str,
         os.killpg(pid, signal.SIGCONT)
         await asyncio.sleep(0.3)
     print(f"every stream ended before a moment to kill {worker}'s engine came ({looks} looks;"
-          f" the most streams open on each worker: {most}; per look: {looked}; tokens {seen})")
+          f" the most streams open on each worker: {most}; per look: {looked}; moments passed"
+          f" by: {dict(passed)}; tokens {seen})")
     return None
 
 
