@@ -8,8 +8,13 @@ Three figures of `PolicyConfig`'s cost model are measured:
   constant's: the policy turns a checkpointed prefix into bytes with it, so a restore's
   estimated time is in the units the bandwidth was measured in);
 * `recompute_s_per_token`: prefill seconds / prompt tokens computed (vLLM's
-  `vllm:request_prefill_time_seconds` and `vllm:prompt_tokens_by_source_total`; the sim
-  engine exports no prefill time, so a cluster of sim engines keeps the default).
+  `vllm:request_prefill_time_seconds` and `vllm:prompt_tokens_by_source_total`, which the
+  sim engine exports as well). vLLM counts each request's prefill as the whole of the steps
+  it ran in, shared or not, and only when the request finishes: prefills that share steps
+  each count the batch's time, so under concurrency this is an upper bound on the marginal
+  cost (the sim engine: 1.6x alone from the fixed step cost, about 8x with six prompts
+  prefilled together): recoveries lean to resuming, and draft-assist's verify cost is
+  overstated (it stays off where its gain is small).
 
 Each worker's record carries its active engine's counters since that engine started
 (`WorkerLoad`). An estimate is the ratio of their sums over the workers of one view: a
@@ -24,9 +29,10 @@ negative one. No usable sample: the default constant stays in use.
 The two speeds are used as a pair. A recovery decision weighs a restore (bandwidth) against
 a recompute (prefill seconds): with one of them measured on this hardware and the other a
 constant from another (the defaults are Qwen3-32B on A100s), the comparison says nothing,
-and it flips. On a cluster of sim engines, which export no prefill time, a loopback restore
-measured at 30-40 MB/s against the constant prefill made every recovery recompute. So a
-measured speed whose partner is not measured is shown (`held`) but not used until it is.
+and it flips. On a cluster of sim engines, before they exported prefill time, a loopback
+restore measured at 30-40 MB/s against the constant prefill made every recovery recompute.
+So a measured speed whose partner is not measured is shown (`held`) but not used until it
+is.
 The KV bytes per token are a fact of the model, not a speed: used whenever measured.
 
 The sums are over the engines' lifetimes, not a window: a bandwidth and a per-token cost are

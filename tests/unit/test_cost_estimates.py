@@ -146,7 +146,7 @@ def test_differs_by_more_than_five_percent_or_source() -> None:
 
 
 def test_a_speed_measured_alone_is_held_until_its_partner_is_measured() -> None:
-    # A sim cluster: restores measured (loopback, slow), no prefill time exported. Weighing
+    # Restores measured (loopback, slow), no prefill time yet (none finished). Weighing
     # the measured restore against the constant prefill (another machine's) would flip
     # every recovery to recompute; the pair stays the constants, the restore is shown held.
     sim = estimate([restores("w0", 40e6, 1.0, tokens=2_500, prefill=None)])
