@@ -817,7 +817,9 @@ def config_show(ctx: typer.Context, output: Output | None = output_option()) -> 
     """Every setting, its value, whether it is the default, and what it does; then the cost
     figures cost-aware decisions use (restore bandwidth, prefill seconds per token, KV bytes
     per token): measured from the workers' engines, as the coordinator measures them from
-    the same records, or the default constant until an engine has measured one."""
+    the same records, or the default constant until an engine has measured one; then
+    draft-assist's predicted gain per serving worker, as the coordinator last published
+    it (recent step time, verify cost, tokens per round)."""
     from lumend.coordinator.settings import as_rows, costs_in_use
 
     c = _context(ctx, output)
@@ -827,9 +829,15 @@ def config_show(ctx: typer.Context, output: Output | None = output_option()) -> 
 
     settings, view = _run(c, read)
     costs = costs_in_use(settings, view.workers.values())
+    now = time.time()
+    estimates = view.assist_estimates
+    assist = None if estimates is None else {
+        "at": estimates.at, "age_s": max(0.0, now - estimates.at), "epoch": estimates.epoch,
+        "current": view.coordinator is not None and view.coordinator.epoch == estimates.epoch,
+        "workers": [msgspec.to_builtins(w) for w in estimates.workers]}
     _emit(c, {"cluster": c.cluster, "settings": as_rows(settings),
               "costs_used": settings.decisions == "cost_aware",
-              "costs": costs.rows(time.time())}, _settings_table)
+              "costs": costs.rows(now), "assist": assist}, _settings_table)
 
 
 def _settings_table(doc: dict[str, Any]) -> RenderableType:
@@ -857,7 +865,23 @@ def _settings_table(doc: dict[str, Any]) -> RenderableType:
                   f"{held['waits_for']} is measured too)" if held else "default constant")
         age = "" if row["age_s"] is None else f"{row['age_s']:.0f} s"
         costs.add_row(row["key"], f"{row['value']:.4g}", source, age, row["meaning"])
-    return Group(table, costs)
+    assist = doc.get("assist")
+    if assist is None:
+        return Group(table, costs)
+    stale = "" if assist["current"] else ", by a former coordinator"
+    steps = Table(title=f"draft-assist's predicted gain per serving worker (the "
+                        f"coordinator's, {assist['age_s']:.0f} s old{stale})")
+    for column in ("worker", "step", "verify adds", "tokens/round", "gain", "inputs"):
+        steps.add_column(column)
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.2g} ms"
+
+    for w in assist["workers"]:
+        steps.add_row(w["worker"], ms(w["step_s"]), ms(w["verify_extra_s"]),
+                      f"{w['tokens_per_round']:.2g}",
+                      "-" if w["gain"] is None else f"{w['gain']:+.2g}", w["inputs"])
+    return Group(table, costs, steps)
 
 
 SETTINGS = ClusterSettings.__struct_fields__  # the keys of lumend.coordinator.settings

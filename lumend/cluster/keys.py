@@ -57,6 +57,10 @@ class Keys:
     def config(self) -> str:
         return self.root + "config"
 
+    @property
+    def assist_estimates(self) -> str:
+        return self.root + "assist_estimates"
+
     def node(self, name: str) -> str:
         return self.nodes + name
 

@@ -177,6 +177,28 @@ class AssistAssignment(msgspec.Struct, frozen=True, kw_only=True):
     step_s_before: float = 0.0
 
 
+class StepEstimate(msgspec.Struct, frozen=True, kw_only=True):
+    """One serving worker as draft-assist's predicted gain sees it (estimates.AssistInputs):
+    None where not known (no step counters, or too little growth in the window)."""
+
+    worker: str
+    step_s: float | None  # recent mean step time (0: running nothing)
+    verify_extra_s: float | None  # what verifying drafts would add to a step
+    tokens_per_round: float  # tokens a verify step would emit per sequence
+    gain: float | None  # policy.assist_gain
+    inputs: str  # the inputs in words
+
+
+class AssistEstimates(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of `assist_estimates`, written by the coordinator (epoch-guarded) when the
+    figures change (rounded to 2 significant digits) and at least every
+    ESTIMATES_REFRESH_S: what `lumenctl config show` lists."""
+
+    at: float
+    epoch: int
+    workers: list[StepEstimate] = []
+
+
 class RecoveryDecision(msgspec.Struct, frozen=True, kw_only=True):
     """One interrupted request's route (Algorithm 2's answer)."""
 

@@ -15,6 +15,7 @@ import msgspec
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import (
     AssistAssignment,
+    AssistEstimates,
     ClusterSettings,
     CoordinatorRecord,
     CoordinatorStatus,
@@ -67,6 +68,8 @@ class ClusterView:
     recoveries: dict[str, RecoveryPlan] = field(default_factory=dict)
     # etcd's database size and alarms (NOSPACE), when the read carried them.
     store: StoreStatus | None = None
+    # The coordinator's step estimates for draft-assist (`assist_estimates`).
+    assist_estimates: AssistEstimates | None = None
 
     def intents_for(self, worker: WorkerRecord) -> list[Intent]:
         """Intents that name this worker or its node."""
@@ -87,6 +90,7 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
     settings: ClusterSettings | None = None
     assists: dict[str, AssistAssignment] = {}
     recoveries: dict[str, RecoveryPlan] = {}
+    estimates: AssistEstimates | None = None
 
     def decode(kv: KeyValue, kind: type[_T]) -> _T | None:
         try:
@@ -140,6 +144,8 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
                 coordinator = Coordinator(record, kv.create_revision, kv.lease)
         elif key == keys.coordinator_status:
             status = decode(kv, CoordinatorStatus)
+        elif key == keys.assist_estimates:
+            estimates = decode(kv, AssistEstimates)
         elif key == keys.config:
             settings = decode(kv, ClusterSettings)
             if settings is not None:
@@ -163,6 +169,7 @@ def build_view(keys: Keys, snapshot: Snapshot) -> ClusterView:
         problems=problems,
         settings=settings,
         assists=assists,
+        assist_estimates=estimates,
         recoveries=recoveries,
         store=snapshot.store,
     )

@@ -40,9 +40,11 @@ import msgspec
 from lumend.cluster.keys import Keys
 from lumend.cluster.models import (
     AssistAssignment,
+    AssistEstimates,
     Event,
     RecoveryDecision,
     RecoveryPlan,
+    StepEstimate,
     WorkerRecord,
     encode_value,
 )
@@ -129,6 +131,9 @@ class CoordinatorService:
         # (drafter, survivor) pairs whose assignment hurt: not paired again until the
         # first time, with the cooldown that got them there (doubled at each repeat).
         self._benched: dict[tuple[str, str], tuple[float, float]] = {}
+        # The step estimates last published (rounded) and when (`assist_estimates`).
+        self._published: tuple[tuple[object, ...], ...] | None = None
+        self._published_at = -math.inf
         self._event_seq = 0
         # Recovery plans changed here and not yet read back from etcd, by failed worker.
         self._plans: dict[str, RecoveryPlan] = {}
@@ -461,6 +466,8 @@ class CoordinatorService:
                     accepted_tokens=usage.accepted_tokens))))
         if not policy.uses_assist:
             return ops
+        if policy.cost_aware:
+            ops += self._estimate_ops(view, keys, now)
         assisted = {a.survivor for a in kept.values()}
         self._declined &= {w.name for w in view.workers.values() if w.state == "assisting"}
         # A pair benched long enough ago is forgotten: its next cooldown starts anew.
@@ -523,6 +530,36 @@ class CoordinatorService:
                     self._event(keys, now, "assist_assigned", reason, "-assist")]
         return ops
 
+    def _estimate_ops(self, view: ClusterView, keys: Keys, now: float) -> list[Op]:
+        """The step estimates of every serving worker, as draft-assist's gain sees them, for
+        `lumenctl config show`: written when a figure changes at 2 significant digits, or
+        ESTIMATES_REFRESH_S after the last write (its `at` says how fresh it is)."""
+        inputs: dict[int, AssistInputs] = {}
+        table = self._table(view, lambda w: eligible(view, w), inputs)
+        rows: list[StepEstimate] = []
+        for i, (ok, w) in enumerate(zip(table.snapshot.alive, table.workers, strict=True)):
+            if not ok:
+                continue
+            x = inputs.get(i)
+            if x is None:
+                rows.append(StepEstimate(
+                    worker=w.name, step_s=None, verify_extra_s=None, gain=None,
+                    tokens_per_round=_two_digits(tokens_per_round(draft_tokens(w.engine))),
+                    inputs="no recent step time (no step counters, or too little growth)"))
+                continue
+            rows.append(StepEstimate(
+                worker=w.name, step_s=_two_digits(x.step_s),
+                verify_extra_s=_two_digits(x.verify_extra_s),
+                tokens_per_round=_two_digits(x.tokens_per_round), gain=_two_digits(x.gain),
+                inputs=x.describe()))
+        figures = tuple((r.worker, r.step_s, r.verify_extra_s, r.tokens_per_round, r.gain)
+                        for r in rows)
+        if figures == self._published and now - self._published_at < ESTIMATES_REFRESH_S:
+            return []
+        self._published, self._published_at = figures, now
+        return [Put(keys.assist_estimates, encode_value(
+            AssistEstimates(at=now, epoch=self.epoch, workers=rows)))]
+
     def _hurts(self, a: AssistAssignment, survivor: WorkerRecord, prefill_s_per_token: float,
                now: float) -> str:
         """Why assignment `a` should end because it slows its survivor down, or "": its
@@ -556,6 +593,13 @@ class CoordinatorService:
         event = Event(at=now, kind=kind, source=self.node, message=message, epoch=self.epoch)
         return Put(keys.event(int(now * 1000), self.node + duty, self._event_seq),
                    encode_value(event))
+
+
+ESTIMATES_REFRESH_S = 30.0
+
+
+def _two_digits(x: float) -> float:
+    return float(f"{x:.2g}")
 
 
 def _acceptance(a: AssistAssignment) -> str:

@@ -81,11 +81,11 @@ def engine_assist(url: str) -> dict[str, Any]:
         return dict(json.load(r))
 
 
-def lumenctl_status(etcd: EtcdCluster) -> dict[str, Any]:
+def lumenctl_status(etcd: EtcdCluster, *command: str) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "lumenctl", "--endpoints",
                           ",".join(etcd.endpoints), "--cluster", CLUSTER, "-o", "json",
-                          "status"], capture_output=True, text=True, timeout=30,
-                         stdin=subprocess.DEVNULL)
+                          *(command or ("status",))], capture_output=True, text=True,
+                         timeout=30, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     return dict(json.loads(out.stdout))
 
@@ -141,6 +141,7 @@ def test_a_reloading_worker_assists_the_survivor_then_serves(
             doc = await asyncio.to_thread(wait_until, assisted, 60,
                                           "the victim's drafts verified by the survivor")
             seen["status"] = doc
+            seen["config"] = await asyncio.to_thread(lumenctl_status, etcd, "config", "show")
             seen["engine_assist"] = await asyncio.to_thread(engine_assist,
                                                             seen["survivor_url"])
             return list(await asyncio.gather(*tasks))
@@ -176,6 +177,17 @@ def test_a_reloading_worker_assists_the_survivor_then_serves(
     metrics = survivor_node_metrics(survivor_node)
     assert f'assignment="{assignment["id"]}"' in metrics
     assert "lumen_assist_accepted_tokens_total" in metrics
+    # `config show`, while the streams ran on the survivor alone, listed the coordinator's
+    # step estimates: the survivor's steps measured from its engine's counters, the gain
+    # predicted from them (the victim, reloading, serves nothing: not listed).
+    assist = seen["config"]["assist"]
+    assert assist is not None and assist["current"], assist
+    rows = {w["worker"]: w for w in assist["workers"]}
+    print("config show, draft-assist:", rows)
+    assert set(rows) == {survivor}, rows
+    measured = rows[survivor]
+    assert measured["step_s"] is not None and measured["step_s"] > 0, measured
+    assert measured["gain"] is not None and "step " in measured["inputs"], measured
 
 
 def survivor_node_metrics(node: LumendNode) -> str:

@@ -12,8 +12,15 @@ import pytest
 from msgspec.structs import replace
 
 from lumenctl.localcluster import stop_process
-from lumend.cluster.models import AssistAssignment, EngineInfo, WorkerLoad, WorkerRecord
-from lumend.cluster.store import Delete, Op
+from lumend.cluster.models import (
+    AssistAssignment,
+    AssistEstimates,
+    EngineInfo,
+    WorkerLoad,
+    WorkerRecord,
+    decode_value,
+)
+from lumend.cluster.store import Delete, Op, Put
 from lumend.cluster.view import ClusterView
 from lumend.coordinator.estimates import (
     ASSIST_PRIOR_AGREEMENT,
@@ -28,7 +35,7 @@ from lumend.coordinator.policy import assist_gain
 from lumend.coordinator.service import CoordinatorService
 from lumend.engine.adapter import EngineLoad, parse_load
 
-from ..assist.test_assignments import KEYS, assisting, events, puts, view
+from ..assist.test_assignments import KEYS, assisting, decided, events, puts, view
 from .test_gateway_checkpoints import worker
 from .test_sim_openai import Engine, start_engine, wait_active
 
@@ -228,8 +235,8 @@ def decide(c: CoordinatorService, *, a_waiting: int = 0, steps: bool = True
            ) -> tuple[str | None, list[str]]:
     """Two views 10 s apart; the survivor the second one's decision picks, and the
     events' messages."""
-    assert c.assist_ops(view(*survivors(0.0, False, a_waiting=a_waiting, steps=steps)),
-                        KEYS, now=0.0) == []
+    assert decided(c.assist_ops(view(*survivors(0.0, False, a_waiting=a_waiting,
+                                                steps=steps)), KEYS, now=0.0)) == []
     ops = c.assist_ops(view(*survivors(10.0, True, a_waiting=a_waiting, steps=steps),
                             assisting("r", "n3")), KEYS, now=10.0)
     got = puts(ops)
@@ -274,8 +281,8 @@ def assisted_view(at: float, a_steps: int, a_s: float, assignment: AssistAssignm
 
 def assign_a(c: CoordinatorService) -> AssistAssignment:
     """Two views 10 s apart with a at 10 ms a step: r is assigned to a."""
-    assert c.assist_ops(assisted_view(0.0, 10_000, 100.0, None, drafter=False), KEYS,
-                        now=0.0) == []
+    assert decided(c.assist_ops(assisted_view(0.0, 10_000, 100.0, None, drafter=False),
+                                KEYS, now=0.0)) == []
     got = puts(c.assist_ops(assisted_view(10.0, 12_000, 120.0, None), KEYS, now=10.0))
     assert got["r"].survivor == "a"
     assert math.isclose(got["r"].step_s_before, 0.010)  # what it is judged against
@@ -331,3 +338,33 @@ def test_too_few_drafts_or_no_step_before_are_not_judged() -> None:
     unmeasured = replace(a, drafted_tokens=400, accepted_tokens=0, step_s_before=0.0)
     v = assisted_view(60.0, 18_000, 260.0, unmeasured)  # an assignment made by L_hat
     assert not [op for op in c.assist_ops(v, KEYS, now=60.0) if isinstance(op, Delete)]
+
+
+# -- what `lumenctl config show` lists ---------------------------------------------------
+
+
+def published(ops: list[Op]) -> AssistEstimates | None:
+    found = [decode_value(op.value, AssistEstimates) for op in ops
+             if isinstance(op, Put) and op.key == KEYS.assist_estimates]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def test_the_step_estimates_are_published_when_they_change_and_refreshed() -> None:
+    c = CoordinatorService("n1", 7, lambda: None)
+    first = published(c.assist_ops(view(*survivors(0.0, False)), KEYS, now=0.0))
+    assert first is not None and first.epoch == 7 and first.at == 0.0
+    assert [(r.worker, r.step_s, r.gain) for r in first.workers] == [
+        ("a", None, None), ("b", None, None)]  # one record each: no growth yet
+    assert "no recent step time" in first.workers[0].inputs
+    grown = published(c.assist_ops(view(*survivors(10.0, True)), KEYS, now=10.0))
+    assert grown is not None
+    a, b = grown.workers
+    assert (a.worker, a.step_s, b.step_s) == ("a", 0.01, 0.03)
+    assert a.gain is not None and a.gain > 0 and b.gain is not None and b.gain < 0
+    assert a.verify_extra_s is not None and "step 10 ms" in a.inputs
+    # The same figures again: nothing written until the refresh, then written as they are.
+    same = [replace(w, updated_at=20.0) for w in survivors(10.0, True)]
+    assert published(c.assist_ops(view(*same), KEYS, now=20.0)) is None
+    refreshed = published(c.assist_ops(view(*same), KEYS, now=41.0))
+    assert refreshed is not None and refreshed.workers == grown.workers and refreshed.at == 41
