@@ -45,6 +45,7 @@ views; below, with the gain's other inputs).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -405,14 +406,10 @@ def measured_inputs(load: WorkerLoad, before_s: float, assisted: StepRate, tpr: 
     prediction that was right keeps the assignment and one that was wrong ends it."""
     if before_s <= 0 or load.running <= 0:
         return None
-    share = 0.0
-    if assisted.prefill_tokens is not None and assisted.span_s > 0:
-        share = min(1.0, assisted.prefill_tokens * prefill_s_per_token / assisted.span_s)
-    waiting = load.waiting > 0
-    return AssistInputs(
-        step_s=before_s, verify_extra_s=max(0.0, assisted.step_s - before_s),
-        tokens_per_round=tpr, prefill_waiting=waiting,
-        capacity_bound=waiting and load.kv_usage >= KV_BOUND, prefill_share=share)
+    predicted = assist_inputs(load, assisted, 0, tpr, prefill_s_per_token)
+    assert predicted is not None  # it runs something and has a step rate
+    return dataclasses.replace(predicted, step_s=before_s,
+                               verify_extra_s=max(0.0, assisted.step_s - before_s))
 
 
 def assist_inputs(load: WorkerLoad, rate: StepRate | None, k: int, tpr: float,
