@@ -56,6 +56,11 @@ COMPACT_KEEP_REVISIONS = 1000
 # A worker record unchanged in every meaningful field is rewritten this often at most (its
 # keys live on the lease; the rewrite only refreshes `updated_at` for `lumenctl status`).
 WORKER_REFRESH_S = 60.0
+# A worker record whose cumulative cost and step counters alone changed is written this
+# often at most: the coordinator reads recent step times and rates from their growth between
+# records (lumend.coordinator.estimates.StepTracker), which needs a record every few
+# seconds, not one per heartbeat per busy engine.
+COUNTER_REFRESH_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ class ClusterAgent:
         self._heartbeat_lease: int | None = None
         # What each record last written looked like (coarsely, see _meaningful) and when.
         self._written: dict[str, tuple[bytes, float]] = {}
+        self._counters: dict[str, tuple[float | None, ...]] = {}  # as last written
         self._worker_refresh_s = worker_refresh_s
         self.heartbeat_writes = 0  # records written by heartbeats (tests and metrics)
         # The coordinator's housekeeping: event trimming, compaction, alarms.
@@ -503,7 +509,8 @@ class ClusterAgent:
         """Write this node's records that changed meaningfully (see `_meaningful`), all of
         them on a new lease, the node record at least every two heartbeats (its
         `updated_at` is what `lumenctl status` shows as SEEN) and a worker record at least
-        every `worker_refresh_s`. Liveness is the lease's, not the writes': an unchanged
+        every `worker_refresh_s`; one whose counters alone grew, every COUNTER_REFRESH_S at
+        most. Liveness is the lease's, not the writes': an unchanged
         record costs etcd nothing but its keepalive."""
         lease = self.lease.lease_id
         if lease is None:
@@ -516,14 +523,16 @@ class ClusterAgent:
         workers = list(self._workers())
         records += [(self._keys.worker(w.name), w, self._worker_refresh_s) for w in workers]
         ops: list[Op] = []
-        written: list[tuple[str, bytes]] = []
+        written: list[tuple[str, bytes, tuple[float | None, ...]]] = []
         for key, record, refresh_s in records:
             body = _meaningful(record)
             last = self._written.get(key)
             if (fresh_lease or last is None or last[0] != body
-                    or now - last[1] >= refresh_s):
+                    or now - last[1] >= refresh_s
+                    or (now - last[1] >= COUNTER_REFRESH_S
+                        and self._counters.get(key) != _counters(record))):
                 ops.append(Put(key, encode_value(record), lease))
-                written.append((key, body))
+                written.append((key, body, _counters(record)))
         if not ops:
             return
         for batch in _batches([ops], MAX_TXN_OPS):
@@ -533,8 +542,9 @@ class ClusterAgent:
             self._written.clear()
         self._heartbeat_lease = lease
         self.heartbeat_writes += len(written)
-        for key, body in written:
+        for key, body, counters in written:
             self._written[key] = (body, now)
+            self._counters[key] = counters
 
     def _node_record(self, status: str, state: str = "up") -> NodeRecord:
         me = self._me
@@ -604,7 +614,9 @@ def _meaningful(record: NodeRecord | WorkerRecord) -> bytes:
     where a decision turns on the value: states, engines, zero versus non-zero requests
     (what `drain --wait` waits for), draft-assist counters (copied into the assignment);
     requests within 1/8 above 16; kv usage in 5% steps; checkpoint bytes in 1/32 of the
-    budget (any non-zero amount at least one step)."""
+    budget (any non-zero amount at least one step). The cumulative cost and step counters
+    (COUNTERS) only as exported or not: they grow at every step of a busy engine and are
+    written on their own schedule (COUNTER_REFRESH_S)."""
     import msgspec
 
     if isinstance(record, NodeRecord):
@@ -614,13 +626,25 @@ def _meaningful(record: NodeRecord | WorkerRecord) -> bytes:
         load, running=_coarse(load.running), waiting=_coarse(load.waiting),
         kv_usage=round(load.kv_usage * 20) / 20,
         ckpt_running=None if load.ckpt_running is None else _coarse(load.ckpt_running),
-        ckpt_complete=None if load.ckpt_complete is None else _coarse(load.ckpt_complete))
+        ckpt_complete=None if load.ckpt_complete is None else _coarse(load.ckpt_complete),
+        **{name: None if getattr(load, name) is None else 0 for name in COUNTERS})
     ckpt = record.checkpoints
     step = max(1, ckpt.budget_bytes // 32)
     coarse_ckpt = msgspec.structs.replace(
         ckpt, bytes_held=math.ceil(ckpt.bytes_held / step), requests=_coarse(ckpt.requests))
     return encode_value(msgspec.structs.replace(
         record, updated_at=0.0, load=coarse_load, checkpoints=coarse_ckpt))
+
+
+COUNTERS = ("restored_bytes", "restored_tokens", "restore_s", "prefill_tokens", "prefill_s",
+            "step_s", "steps")
+
+
+def _counters(record: NodeRecord | WorkerRecord) -> tuple[float | None, ...]:
+    """A worker record's cumulative counters (COUNTER_REFRESH_S); () for a node record."""
+    if isinstance(record, NodeRecord):
+        return ()
+    return tuple(getattr(record.load, name) for name in COUNTERS)
 
 
 def _coarse(n: int) -> int:

@@ -33,11 +33,11 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     ckpt_running: int | None = None
     ckpt_complete: int | None = None
     # Cost counters of the active engine since it started (cumulative; they go back to 0
-    # when it restarts), rounded to 8 significant bits so that their growth is not a write
-    # per heartbeat. None: the engine does not export them. The coordinator turns them into
-    # its cost estimates (lumend.coordinator.estimates): checkpoint bytes restored and the
-    # seconds those restores took (and the tokens whose KV they held); prompt tokens
-    # prefilled (to 10 bits, as the step counters below) and the seconds prefills took.
+    # when it restarts), exact. None: the engine does not export them. The coordinator
+    # turns them into its cost estimates (lumend.coordinator.estimates): checkpoint bytes
+    # restored and the seconds those restores took (and the tokens whose KV they held);
+    # prompt tokens prefilled and the seconds prefills took. A change of the counters alone
+    # is written at most every COUNTER_REFRESH_S (lumend.cluster.agent), not per heartbeat.
     restored_bytes: int | None = None
     restored_tokens: int | None = None
     restore_s: float | None = None
@@ -46,9 +46,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # Step counters, for draft-assist's predicted gain (lumend.coordinator.estimates
     # .StepTracker): seconds of the engine's steps as its decoding requests saw them, and
     # how many (vLLM: the inter-token latency histogram's sum and count, one per request
-    # per step; the sim engine: its modelled steps). Rounded to 10 significant bits (a
-    # recent step time comes from their growth over a minute or so, which 8 bits would
-    # hide once an engine has been busy for half an hour).
+    # per step; the sim engine: its modelled steps). Exact, as the counters above: a recent
+    # step time is their growth between two records some seconds apart, after a month of
+    # an engine's life as after a minute.
     step_s: float | None = None
     steps: int | None = None
 

@@ -53,7 +53,6 @@ from dataclasses import dataclass, replace
 from lumend.assist.attach import DEFAULT_K as ATTACH_DEFAULT_K
 from lumend.cluster.models import WorkerLoad, WorkerRecord
 from lumend.coordinator.policy import PolicyConfig, assist_gain, in_seconds
-from lumend.engine.adapter import STEP_SIGNIFICANT_BITS
 from lumend.engine.vllm_assist import DEFAULT_K as VLLM_DEFAULT_K
 
 MIN_RESTORE_BYTES = 1 << 20  # 1 MiB: fewer bytes say more about latency than bandwidth
@@ -229,12 +228,15 @@ def _estimate(key: str, sums: Sums, default: float, *, per_second: bool) -> Esti
 #
 # The simulator knows each worker's step from its cost model; the coordinator measures it.
 # Per worker the tracker keeps the step counters of the records it saw (cumulative since
-# the active engine started, STEP_SIGNIFICANT_BITS significant bits) and reads a recent
-# step time from their growth: between the newest record and the newest older one from
-# which both counters grew by at least MIN_QUANTA of their rounding steps (so the rounding
-# is at most 1/MIN_QUANTA of the growth), within STEP_WINDOW_S. Counters that went back (a
-# restarted engine) or another active engine start the window anew; no such pair: no step
-# time, and the coordinator falls back to the most loaded by L_hat.
+# the active engine started, exact; a record whose counters alone grew is written every
+# COUNTER_REFRESH_S, lumend.cluster.agent) and reads a recent step time from their growth:
+# between the newest record and the newest older one at least MIN_STEP_SPAN_S before it
+# over which at least MIN_STEPS steps were counted, within STEP_WINDOW_S. Counters that
+# went back (a restarted engine) or another active engine start the window anew; no such
+# pair: no step time, and the coordinator falls back to the most loaded by L_hat.
+# Why exact: rounded relative to their total (10 significant bits, as they once were), a
+# window's growth falls inside the rounding after about four hours of a busy engine, and
+# the gain was silently replaced by that fallback for the rest of the engine's life.
 #
 # The gain's other inputs, from the same record and the cost model in use:
 # * verify_extra_s: verifying k drafted tokens per running sequence computes them like
@@ -252,7 +254,8 @@ def _estimate(key: str, sums: Sums, default: float, *, per_second: bool) -> Esti
 # A survivor running nothing has nothing to speed up: gain 0, no step time needed.
 
 STEP_WINDOW_S = 120.0
-MIN_QUANTA = 4
+MIN_STEP_SPAN_S = 2.0
+MIN_STEPS = 16
 MIN_DRAFTED = 64
 KV_BOUND = 0.9
 ASSIST_PRIOR_AGREEMENT = 0.6  # lumend.sim.config.SimConfig.spec_acceptance
@@ -285,10 +288,8 @@ class StepRate:
 class StepTracker:
     """Recent step times per worker from the step counters of the records seen."""
 
-    def __init__(self, window_s: float = STEP_WINDOW_S,
-                 bits: int = STEP_SIGNIFICANT_BITS) -> None:
+    def __init__(self, window_s: float = STEP_WINDOW_S) -> None:
         self.window_s = window_s
-        self.bits = bits
         self._samples: dict[str, list[StepSample]] = {}
 
     def observe(self, workers: Iterable[WorkerRecord]) -> None:
@@ -325,24 +326,15 @@ class StepTracker:
         if not history:
             return None
         new = history[-1]
-        steps_q = max(1.0, _quantum(new.steps, self.bits))
-        seconds_q = _quantum(new.step_s, self.bits)
         for old in reversed(history[:-1]):
             d_steps, d_s = new.steps - old.steps, new.step_s - old.step_s
-            if d_steps < MIN_QUANTA * steps_q or d_s <= 0 or d_s < MIN_QUANTA * seconds_q:
+            if new.at - old.at < MIN_STEP_SPAN_S or d_steps < MIN_STEPS or d_s <= 0:
                 continue
             prefill = None
             if new.prefill_tokens is not None and old.prefill_tokens is not None:
-                d_p = new.prefill_tokens - old.prefill_tokens
-                if d_p >= MIN_QUANTA * _quantum(new.prefill_tokens, self.bits):
-                    prefill = d_p
+                prefill = max(0, new.prefill_tokens - old.prefill_tokens)
             return StepRate(d_s / d_steps, d_steps, new.at - old.at, prefill)
         return None
-
-
-def _quantum(value: float, bits: int) -> float:
-    """The largest rounding step of a value rounded (down) to `bits` significant bits."""
-    return abs(value) * 2.0 ** (1 - bits)
 
 
 def draft_tokens(engine: str) -> int:

@@ -79,49 +79,22 @@ class EngineLoad:
     steps: int | None = None
 
     def report(self) -> WorkerLoad:
-        """The worker's load as its record carries it: the cost counters rounded to 8
-        significant bits (1/128), so that they change the record, which is written when it
-        changes, a few hundred times per doubling rather than at every heartbeat; the step
-        counters and the prompt tokens computed to 10 (STEP_SIGNIFICANT_BITS): the
-        coordinator reads recent rates from their growth, not only lifetime ratios."""
+        """The worker's load as its record carries it. The cumulative counters are exact
+        (seconds to the microsecond): the coordinator reads recent rates from their growth
+        between records, which any rounding relative to the total would hide once an engine
+        has been busy for hours. What keeps them from costing a write per heartbeat is the
+        heartbeat's rule (`lumend.cluster.agent.COUNTER_REFRESH_S`): a record whose counters
+        alone changed is written at most that often."""
         return WorkerLoad(
             running=self.running, waiting=self.waiting, kv_usage=self.kv_usage,
             ckpt_running=self.ckpt_running, ckpt_complete=self.ckpt_complete,
-            restored_bytes=None if self.restored_bytes is None
-            else round_int(self.restored_bytes),
-            restored_tokens=None if self.restored_tokens is None
-            else round_int(self.restored_tokens),
-            restore_s=None if self.restore_s is None else round_float(self.restore_s),
-            prefill_tokens=None if self.prefill_tokens is None
-            else round_int(self.prefill_tokens, STEP_SIGNIFICANT_BITS),
-            prefill_s=None if self.prefill_s is None else round_float(self.prefill_s),
-            step_s=None if self.step_s is None
-            else round_float(self.step_s, STEP_SIGNIFICANT_BITS),
-            steps=None if self.steps is None else round_int(self.steps, STEP_SIGNIFICANT_BITS))
+            restored_bytes=self.restored_bytes, restored_tokens=self.restored_tokens,
+            restore_s=_micro(self.restore_s), prefill_tokens=self.prefill_tokens,
+            prefill_s=_micro(self.prefill_s), step_s=_micro(self.step_s), steps=self.steps)
 
 
-SIGNIFICANT_BITS = 8
-# The step counters' and computed prompt tokens' growth over about a minute is what the
-# coordinator reads (a recent step time and prefill share, lumend.coordinator.estimates
-# .StepTracker): rounded to b bits a counter moves in
-# steps of up to 2^(1-b) of its total, so a window must see several such steps. 10 bits:
-# a minute's growth is enough for about 2 hours of an engine's busy life at a steady load
-# (8 bits: half an hour), at one write of the record per 1/512-1/1024 of growth.
-STEP_SIGNIFICANT_BITS = 10
-
-
-def round_int(n: int, bits: int = SIGNIFICANT_BITS) -> int:
-    """`n` to its top `bits` bits (down; n >= 0)."""
-    shift = max(0, n.bit_length() - bits)
-    return (n >> shift) << shift
-
-
-def round_float(x: float, bits: int = SIGNIFICANT_BITS) -> float:
-    """`x` to `bits` significant bits (down; x >= 0)."""
-    if not math.isfinite(x) or x <= 0:
-        return x
-    mantissa, exponent = math.frexp(x)
-    return math.ldexp(math.floor(mantissa * (1 << bits)), exponent - bits)
+def _micro(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
 
 
 class EngineAdapter(Protocol):

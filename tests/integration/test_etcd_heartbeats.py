@@ -17,11 +17,18 @@ from pathlib import Path
 import msgspec
 
 from lumenctl.localcluster import EtcdCluster
-from lumend.cluster.agent import AgentTiming, ClusterAgent, NodeIdentity
+from lumend.cluster.agent import COUNTER_REFRESH_S, AgentTiming, ClusterAgent, NodeIdentity
 from lumend.cluster.keys import Keys
 from lumend.cluster.lease import LeaseKeeper
-from lumend.cluster.models import CheckpointUsage, EngineInfo, WorkerLoad, WorkerRecord
+from lumend.cluster.models import (
+    CheckpointUsage,
+    EngineInfo,
+    WorkerLoad,
+    WorkerRecord,
+    decode_value,
+)
 from lumend.cluster.store import EtcdStore
+from lumend.coordinator.estimates import StepTracker
 
 MiB = 1 << 20
 
@@ -120,6 +127,85 @@ def test_heartbeats_skip_jitter_and_write_meaningful_changes_at_once(
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_month_old_engines_step_counters_still_give_its_recent_step_time(
+        etcd: EtcdCluster) -> None:
+    """The step counters are cumulative since the engine started. After a month of a busy
+    engine a few seconds' growth is a millionth of them: the records must still carry it
+    (exact, written every COUNTER_REFRESH_S when only they grew: neither per heartbeat nor
+    never), and the coordinator's tracker, fed what etcd holds, must read the step time of
+    the last seconds, not the month's."""
+    keys = Keys("month")
+    month = 30 * 86400.0
+    mono, wall = Clock(month), Clock(1.8e9)
+    step = {"s": 0.005}  # the engine's step time now; it changes below
+    counters = {"steps": int(month / 0.005), "step_s": month, "prefill": 10**11}
+    base = worker("w0", "n1", 8, 0.5, 0)
+
+    def records() -> list[WorkerRecord]:
+        load = WorkerLoad(running=8, waiting=0, kv_usage=0.5, steps=counters["steps"],
+                          step_s=round(counters["step_s"], 6),
+                          prefill_tokens=counters["prefill"])
+        return [msgspec.structs.replace(base, load=load, updated_at=wall.now)]
+
+    async def scenario() -> tuple[list[WorkerRecord], int, int]:
+        store = EtcdStore(etcd.endpoints)
+        agent = compressed(ClusterAgent(store, keys, identity("n1"), AgentTiming.for_ttl(10),
+                                        records, wall_clock=wall, monotonic=mono), store,
+                           ttl_s=10)  # lumend's default: a heartbeat every 3.3 s
+        seen: list[WorkerRecord] = []
+        beats = 0
+        try:
+            for t in range(int(240 / agent._timing.heartbeat_s)):
+                if t == int(120 / agent._timing.heartbeat_s):
+                    step["s"] = 0.020  # the survivor got busier: 20 ms a step from here
+                dt = agent._timing.heartbeat_s
+                mono.now += dt
+                wall.now += dt
+                counters["steps"] += int(dt / step["s"])
+                counters["step_s"] += int(dt / step["s"]) * step["s"]
+                counters["prefill"] += 300
+                await agent.lease.renew() if agent.lease.held else None
+                await agent.cycle()
+                beats += 1
+                kv = (await store.get_prefix(keys.workers)).kvs[0]
+                record = decode_value(kv.value, WorkerRecord)
+                if not seen or seen[-1] != record:
+                    seen.append(record)
+        finally:
+            await store.close()
+        return seen, beats, int(240 / agent._timing.heartbeat_s * dt)
+
+    seen, beats, span = asyncio.run(scenario())
+    # Written about every COUNTER_REFRESH_S: not at every heartbeat, not never.
+    assert span / (COUNTER_REFRESH_S + AgentTiming.for_ttl(10).heartbeat_s) - 1 <= len(seen)
+    assert len(seen) <= span / COUNTER_REFRESH_S + 2 < beats, (len(seen), beats)
+    tracker = StepTracker()
+    rates = []
+    for record in seen:
+        tracker.observe([record])
+        rates.append(tracker.rate("w0"))
+    print(f"{len(seen)} records in {beats} heartbeats; step time read after each: "
+          f"{[None if r is None else round(r.step_s * 1000, 2) for r in rates]} ms")
+    before = [r for rec, r in zip(seen, rates, strict=True) if rec.updated_at < 1.8e9 + 110]
+    assert before[-1] is not None and abs(before[-1].step_s - 0.005) < 0.0005
+    assert rates[-1] is not None and abs(rates[-1].step_s - 0.020) < 0.002
+    # The control: the same records with the counters rounded to 10 significant bits of
+    # their total (as they were published before) hide a month-old engine's growth.
+    control = StepTracker()
+    for record in seen:
+        load = record.load
+        assert load.steps is not None and load.step_s is not None
+        control.observe([msgspec.structs.replace(record, load=msgspec.structs.replace(
+            load, steps=_top_bits(load.steps, 10), step_s=float(_top_bits(int(load.step_s),
+                                                                           10))))])
+    assert control.rate("w0") is None
+
+
+def _top_bits(n: int, bits: int) -> int:
+    shift = max(0, n.bit_length() - bits)
+    return (n >> shift) << shift
 
 
 NODES = 4

@@ -26,6 +26,7 @@ from lumend.coordinator.estimates import (
     ASSIST_PRIOR_AGREEMENT,
     ASSIST_ROUND_S,
     MIN_DRAFTED,
+    MIN_STEPS,
     StepTracker,
     assist_inputs,
     draft_tokens,
@@ -33,7 +34,7 @@ from lumend.coordinator.estimates import (
 )
 from lumend.coordinator.policy import assist_gain
 from lumend.coordinator.service import CoordinatorService
-from lumend.engine.adapter import EngineLoad, parse_load
+from lumend.engine.adapter import parse_load
 
 from ..assist.test_assignments import KEYS, assisting, decided, events, puts, view
 from .test_gateway_checkpoints import worker
@@ -62,15 +63,6 @@ def test_parse_load_reads_vllm_inter_token_latency_else_the_sim_steps() -> None:
     none = parse_load('vllm:num_requests_running{model_name="m"} 1\n')
     assert (none.step_s, none.steps) == (None, None)
     assert none.report().step_s is None and none.report().steps is None
-
-
-def test_step_counters_are_reported_to_10_significant_bits() -> None:
-    r = EngineLoad(running=1, waiting=0, kv_usage=0.0, step_s=1234.5678, steps=123_456).report()
-    assert r.steps is not None and r.step_s is not None
-    assert r.steps <= 123_456 and 123_456 - r.steps < 123_456 / 512
-    assert r.steps == (r.steps >> 7) << 7  # 17 bits, the low 7 dropped
-    assert r.step_s <= 1234.5678 and 1234.5678 - r.step_s < 1234.5678 / 512
-    assert WorkerLoad() == replace(WorkerLoad(), step_s=None, steps=None)  # defaults
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +130,32 @@ def test_step_time_from_the_counters_growth_not_their_lifetime_ratio() -> None:
     assert t.rate("a") == r
 
 
-def test_growth_within_the_rounding_is_no_step_time() -> None:
+def test_a_month_old_engines_counters_still_give_the_recent_step_time() -> None:
+    # A month of steps at 2 ms, then 20 ms in the last 10 s (the counters are exact: this
+    # growth is 1/260000 of their total, inside any rounding relative to it).
     t = StepTracker()
-    # 1M steps rounded to 10 bits move in steps of 1024: 3000 more is under 4 of them.
-    t.observe([rec("a", 0.0, 1_000_000, 5000.0, prefill=1_000_000)])
-    t.observe([rec("a", 5.0, 1_003_000, 5015.0, prefill=1_003_000)])
-    assert t.rate("a") is None
-    t.observe([rec("a", 10.0, 1_010_000, 5050.0, prefill=1_005_000)])  # from the first
+    steps, seconds = 1_300_000_000, 2_600_000.0
+    t.observe([rec("a", 0.0, steps, seconds, prefill=10**10)])
+    t.observe([rec("a", 10.0, steps + 500, seconds + 10.0, prefill=10**10 + 2048)])
     r = t.rate("a")
-    assert r is not None and math.isclose(r.step_s, 0.005) and r.steps == 10_000
-    # The prompt tokens' growth within their rounding is not resolved either (share 0).
-    assert r.prefill_tokens is None
+    assert r is not None and math.isclose(r.step_s, 0.02) and r.steps == 500
+    assert r.prefill_tokens == 2048 and r.span_s == 10.0
+
+
+def test_too_short_a_span_or_too_few_steps_is_no_step_time() -> None:
+    t = StepTracker()
+    t.observe([rec("a", 0.0, 10_000, 50.0)])
+    t.observe([rec("a", 1.0, 10_100, 52.0)])  # 1 s: under MIN_STEP_SPAN_S
+    assert t.rate("a") is None
+    t.observe([rec("a", 5.0, 10_110, 52.5)])  # the first pair has 110 steps over 5 s
+    r = t.rate("a")
+    assert r is not None and r.steps == 110 and r.span_s == 5.0
+    t2 = StepTracker()
+    t2.observe([rec("b", 0.0, 10_000, 50.0)])
+    t2.observe([rec("b", 10.0, 10_000 + MIN_STEPS - 1, 51.0)])  # an idle engine's few
+    assert t2.rate("b") is None
+    t2.observe([rec("b", 20.0, 10_000 + MIN_STEPS, 51.2)])
+    assert t2.rate("b") is not None
 
 
 def test_a_restarted_engine_starts_its_window_anew() -> None:

@@ -10,6 +10,7 @@ import math
 import pytest
 from msgspec.structs import replace
 
+from lumend.cluster.agent import _counters, _meaningful
 from lumend.cluster.models import ClusterSettings, EngineInfo, WorkerLoad, WorkerRecord
 from lumend.cluster.view import ClusterView
 from lumend.coordinator.estimates import MIN_RESTORE_BYTES, estimate
@@ -23,7 +24,7 @@ from lumend.coordinator.settings import (
     parse_setting,
     policy_config,
 )
-from lumend.engine.adapter import EngineLoad, parse_load, round_float, round_int
+from lumend.engine.adapter import EngineLoad, parse_load
 from lumend.engine.sim_checkpoint import CheckpointCounters
 from lumend.rpc.messages import CheckpointRef, RecoverAsk
 
@@ -259,14 +260,22 @@ def test_the_sim_engines_counters_read_back() -> None:
     assert (load.restored_bytes, load.restored_tokens, load.restore_s) == (3 << 20, 192, 0.125)
 
 
-def test_the_record_carries_counters_rounded_to_eight_bits() -> None:
-    assert round_int(255) == 255 and round_int(1000) == 1000 // 4 * 4
-    assert round_int(123_456_789) <= 123_456_789 < round_int(123_456_789) * (1 + 1 / 128)
-    x = 0.123456789
-    assert round_float(x) <= x < round_float(x) * (1 + 1 / 128)
-    assert round_float(0.0) == 0.0
-    report = EngineLoad(0, 0, 0.0, restored_bytes=123_456_789, restore_s=x).report()
-    assert report.restored_bytes == round_int(123_456_789) and report.restore_s == round_float(x)
-    # a heartbeat later, a little more restored: the record is the same (no write)
-    later = EngineLoad(0, 0, 0.0, restored_bytes=123_456_789 + 1000, restore_s=x + 1e-6)
-    assert later.report() == report
+def test_the_record_carries_the_counters_exactly_and_a_write_skips_their_growth() -> None:
+    # A month of a busy engine: 1.3e9 steps. Exact, so that the growth of a few seconds is
+    # readable (rounding relative to the total hid it after hours); seconds to the us.
+    load = EngineLoad(0, 0, 0.0, restored_bytes=123_456_789, restore_s=0.1234567891,
+                      steps=1_300_000_123, step_s=2_600_000.0123456789,
+                      prefill_tokens=9_876_543_211)
+    report = load.report()
+    assert report.restored_bytes == 123_456_789 and report.restore_s == 0.123457
+    assert report.steps == 1_300_000_123 and report.step_s == 2_600_000.012346
+    assert report.prefill_tokens == 9_876_543_211
+    # The counters alone growing is not a meaningful change of the record (no write at this
+    # heartbeat: they are written every COUNTER_REFRESH_S); one exported or not is.
+    w = worker("w")
+    grown = EngineLoad(0, 0, 0.0, restored_bytes=123_456_789 + 1000, restore_s=0.2,
+                       steps=1_300_000_200, step_s=2_600_001.0, prefill_tokens=9_876_543_311)
+    assert _meaningful(replace(w, load=report)) == _meaningful(replace(w, load=grown.report()))
+    assert _counters(replace(w, load=report)) != _counters(replace(w, load=grown.report()))
+    assert _meaningful(replace(w, load=report)) != _meaningful(
+        replace(w, load=replace(report, steps=None, step_s=None)))
