@@ -213,7 +213,7 @@ class DemoOptions:
     rate: float = 3.0
     time_scale: float = 8.0
     seed: int = 7
-    sim_seeds: int = 5  # the simulated comparison's seeds (0: skip it)
+    sim_seeds: int = 10  # the simulated comparison's seeds (0: skip it)
 
     @property
     def victim(self) -> str:
@@ -449,8 +449,8 @@ def _simulated(console: Console, options: DemoOptions) -> None:
     if options.sim_seeds < 1:
         return
     console.rule("where coordination matters: the simulator, over seeds")
-    console.print(f"simulating the scenario below on {options.sim_seeds} seeds (about a "
-                  "minute): the local cluster's sim engines are too small for the long "
+    console.print(f"simulating the scenario below on {options.sim_seeds} seeds (seconds): "
+                  "the local cluster's sim engines are too small for the long "
                   "prompts and slow reload where the policies differ, and one run each is "
                   "noise")
     from lumenctl.demo_sim import simulated_comparison, simulated_table, simulated_verdicts
@@ -461,7 +461,9 @@ def _simulated(console: Console, options: DemoOptions) -> None:
         console.print(line)
     console.print("recovery: fault until TTFT and TPOT are back within 20% of their pre-fault "
                   "level (docs/simulator.md, Metrics); S&R: stop_and_restart; fixed: "
-                  "fixed_checkpoint; lumen_shadow: LUMEN with a shadow engine per worker. "
+                  "fixed_checkpoint; shadows: shadow_only, a shadow engine per worker and no "
+                  "checkpoints; lumen: LUMEN's coordinated checkpoints without shadows; "
+                  "lumen_shadow: LUMEN as deployed, both. The paper's ratios are its LUMEN's. "
                   "`lumenctl sim --sweep` maps where each policy wins.")
 
 
