@@ -859,8 +859,9 @@ def _settings_table(doc: dict[str, Any]) -> RenderableType:
         costs.add_column(column)
     for row in doc["costs"]:
         held = row.get("held")
+        fitted = f", fitted from {row['fit_steps']} steps" if row.get("fit_steps") else ""
         source = (f"measured from {row['workers']} worker{'s' if row['workers'] != 1 else ''}"
-                  if row["source"] == "measured" else
+                  f"{fitted}" if row["source"] == "measured" else
                   f"default constant (measured {held['value']:.4g}, not used until "
                   f"{held['waits_for']} is measured too)" if held else "default constant")
         age = "" if row["age_s"] is None else f"{row['age_s']:.0f} s"

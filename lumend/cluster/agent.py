@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from lumend import __version__
 from lumend.cluster.election import Election
 from lumend.cluster.fencing import EpochFence
@@ -26,6 +28,7 @@ from lumend.cluster.models import (
     CoordinatorStatus,
     Event,
     NodeRecord,
+    WorkerLoad,
     WorkerRecord,
     encode_value,
 )
@@ -135,7 +138,7 @@ class ClusterAgent:
         self._heartbeat_lease: int | None = None
         # What each record last written looked like (coarsely, see _meaningful) and when.
         self._written: dict[str, tuple[bytes, float]] = {}
-        self._counters: dict[str, tuple[float | None, ...]] = {}  # as last written
+        self._counters: dict[str, bytes] = {}  # as last written
         self._worker_refresh_s = worker_refresh_s
         self.heartbeat_writes = 0  # records written by heartbeats (tests and metrics)
         # The coordinator's housekeeping: event trimming, compaction, alarms.
@@ -523,7 +526,7 @@ class ClusterAgent:
         workers = list(self._workers())
         records += [(self._keys.worker(w.name), w, self._worker_refresh_s) for w in workers]
         ops: list[Op] = []
-        written: list[tuple[str, bytes, tuple[float | None, ...]]] = []
+        written: list[tuple[str, bytes, bytes]] = []
         for key, record, refresh_s in records:
             body = _meaningful(record)
             last = self._written.get(key)
@@ -617,8 +620,6 @@ def _meaningful(record: NodeRecord | WorkerRecord) -> bytes:
     budget (any non-zero amount at least one step). The cumulative cost and step counters
     (COUNTERS) only as exported or not: they grow at every step of a busy engine and are
     written on their own schedule (COUNTER_REFRESH_S)."""
-    import msgspec
-
     if isinstance(record, NodeRecord):
         return encode_value(msgspec.structs.replace(record, updated_at=0.0))
     load = record.load
@@ -637,14 +638,15 @@ def _meaningful(record: NodeRecord | WorkerRecord) -> bytes:
 
 
 COUNTERS = ("restored_bytes", "restored_tokens", "restore_s", "prefill_tokens", "prefill_s",
-            "step_s", "steps")
+            "step_s", "steps", "step_fit")
 
 
-def _counters(record: NodeRecord | WorkerRecord) -> tuple[float | None, ...]:
-    """A worker record's cumulative counters (COUNTER_REFRESH_S); () for a node record."""
+def _counters(record: NodeRecord | WorkerRecord) -> bytes:
+    """A worker record's cumulative counters (COUNTER_REFRESH_S); b"" for a node record."""
     if isinstance(record, NodeRecord):
-        return ()
-    return tuple(getattr(record.load, name) for name in COUNTERS)
+        return b""
+    return encode_value(msgspec.structs.replace(
+        WorkerLoad(), **{name: getattr(record.load, name) for name in COUNTERS}))
 
 
 def _coarse(n: int) -> int:

@@ -51,6 +51,10 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # an engine's life as after a minute.
     step_s: float | None = None
     steps: int | None = None
+    # The step-cost fit's sums (lumend.engine.step_fit.FIT_KEYS: steps, extra tokens,
+    # sequences, seconds and their products), cumulative as the counters above: the
+    # coordinator fits the marginal seconds of a prompt token from them. None: not exported.
+    step_fit: list[float] | None = None
 
 
 class CheckpointUsage(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,14 +7,18 @@ Three figures of `PolicyConfig`'s cost model are measured:
 * `kv_bytes_per_token`: those bytes / the tokens whose KV they held (the model's, not the
   constant's: the policy turns a checkpointed prefix into bytes with it, so a restore's
   estimated time is in the units the bandwidth was measured in);
-* `recompute_s_per_token`: prefill seconds / prompt tokens computed (vLLM's
+* `recompute_s_per_token`: the marginal seconds of one more prompt token in a step,
+  fitted from the engines' own steps (`lumend.engine.step_fit`: least squares of step
+  seconds on the step's extra tokens and sequences, from sums both engine kinds export),
+  pooled over the workers. Until a fit is determined (enough steps, enough spread in their
+  prompt tokens), prefill seconds / prompt tokens computed (vLLM's
   `vllm:request_prefill_time_seconds` and `vllm:prompt_tokens_by_source_total`, which the
   sim engine exports as well). vLLM counts each request's prefill as the whole of the steps
   it ran in, shared or not, and only when the request finishes: prefills that share steps
-  each count the batch's time, so under concurrency this is an upper bound on the marginal
-  cost (the sim engine: 1.6x alone from the fixed step cost, about 8x with six prompts
-  prefilled together): recoveries lean to resuming, and draft-assist's verify cost is
-  overstated (it stays off where its gain is small).
+  each count the batch's time, so under concurrency that ratio is an upper bound on the
+  marginal cost (the sim engine: 1.6x alone from the fixed step cost, about 8x with six
+  prompts prefilled together), which leans recoveries to resuming and overstates
+  draft-assist's verify cost: the fit replaces it as soon as it is determined.
 
 Each worker's record carries its active engine's counters since that engine started
 (`WorkerLoad`). An estimate is the ratio of their sums over the workers of one view: a
@@ -53,6 +57,7 @@ from dataclasses import dataclass, replace
 from lumend.assist.attach import DEFAULT_K as ATTACH_DEFAULT_K
 from lumend.cluster.models import WorkerLoad, WorkerRecord
 from lumend.coordinator.policy import PolicyConfig, assist_gain, in_seconds
+from lumend.engine.step_fit import StepFitSums, solve
 from lumend.engine.vllm_assist import DEFAULT_K as VLLM_DEFAULT_K
 
 MIN_RESTORE_BYTES = 1 << 20  # 1 MiB: fewer bytes say more about latency than bandwidth
@@ -78,6 +83,9 @@ class Estimate:
     # A speed measured while its partner was not: the value measured, not used (`value` is
     # the default constant until both are measured).
     held: Estimate | None = None
+    # The prefill cost fitted from this many engine steps (the marginal cost, step_fit);
+    # 0: from the per-request prefill time (an upper bound under concurrency).
+    fit_steps: int = 0
 
     @property
     def measured(self) -> bool:
@@ -91,7 +99,8 @@ class Estimate:
                     f"{PARTNER[self.key]} is measured too)")
         if not self.measured:
             return "default"
-        return f"measured from {self.workers} worker{'s' if self.workers != 1 else ''}"
+        how = f", fitted from {self.fit_steps} steps" if self.fit_steps else ""
+        return f"measured from {self.workers} worker{'s' if self.workers != 1 else ''}{how}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +135,7 @@ class CostEstimates:
                  else "held" if e.held is not None else "default", "workers": e.workers,
                  "amount": e.amount, "over": e.over, "unit": UNITS[e.key],
                  "age_s": None if e.at is None else max(0.0, now - e.at),
+                 "fit_steps": e.fit_steps,
                  "held": None if e.held is None else {
                      "value": e.held.value, "workers": e.held.workers,
                      "amount": e.held.amount, "over": e.held.over,
@@ -152,7 +162,8 @@ UNITS = {"restore_bytes_per_s": ("bytes", "s"), "recompute_s_per_token": ("token
 MEANINGS = {
     "restore_bytes_per_s": "restore bandwidth: checkpoint bytes loaded per second by a "
                            "resumed request (measured: bytes restored / seconds restoring)",
-    "recompute_s_per_token": "prefill seconds per prompt token (measured: vLLM's prefill "
+    "recompute_s_per_token": "prefill seconds per prompt token (measured: the marginal "
+                             "cost fitted from the engines' steps, else vLLM's prefill "
                              "time / prompt tokens computed)",
     "kv_bytes_per_token": "KV cache bytes of one token, to turn a checkpointed prefix into "
                           "bytes to restore (measured: bytes restored / their tokens)",
@@ -175,8 +186,9 @@ def estimate(workers: Iterable[WorkerRecord], defaults: PolicyConfig | None = No
                 per_second=True, min_seconds=1.0)
     restore_e = _estimate("restore_bytes_per_s", restore, cfg.restore_bytes_per_s,
                           per_second=True)
-    prefill_e = _estimate("recompute_s_per_token", prefill, cfg.recompute_s_per_token,
-                          per_second=False)
+    prefill_e = (_fitted_prefill(records)
+                 or _estimate("recompute_s_per_token", prefill, cfg.recompute_s_per_token,
+                              per_second=False))
     if restore_e.measured != prefill_e.measured:  # the speeds are used as a pair
         if restore_e.measured:
             restore_e = Estimate(restore_e.key, cfg.restore_bytes_per_s, 0, held=restore_e)
@@ -185,6 +197,29 @@ def estimate(workers: Iterable[WorkerRecord], defaults: PolicyConfig | None = No
     return CostEstimates(
         restore=restore_e, prefill=prefill_e,
         kv=_estimate("kv_bytes_per_token", kv, cfg.kv_bytes_per_token, per_second=True))
+
+
+def _fitted_prefill(records: list[WorkerRecord]) -> Estimate | None:
+    """The marginal seconds of a prompt token, fitted from the steps of every worker that
+    exports the fit's sums (their sums pooled: one model and hardware per cluster, as the
+    other figures assume); None where no fit is determined or plausible."""
+    pooled, workers, newest = StepFitSums(), 0, None
+    for w in records:
+        if w.load.step_fit is None:
+            continue
+        try:
+            sums = StepFitSums.of(w.load.step_fit)
+        except ValueError:
+            continue
+        if not all(math.isfinite(v) and v >= 0 for v in sums.values()):
+            continue
+        pooled, workers = pooled + sums, workers + 1
+        newest = w.updated_at if newest is None else max(newest, w.updated_at)
+    fit = solve(pooled) if workers else None
+    if fit is None or not PREFILL_RANGE[0] <= fit.per_token_s <= PREFILL_RANGE[1]:
+        return None
+    return Estimate("recompute_s_per_token", fit.per_token_s, workers, pooled.p,
+                    fit.per_token_s * pooled.p, newest, fit_steps=fit.steps)
 
 
 def _usable_restore(load: WorkerLoad) -> bool:

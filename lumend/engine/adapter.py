@@ -23,6 +23,7 @@ from lumend.engine.metric_names import (
     ckpt_counter,
     deprecated,
 )
+from lumend.engine.step_fit import FIT_KEYS, METRIC_PREFIX, parse_sums
 from lumend.engine.vllm_assist import ASSIST_FILE_ENV
 from lumend.engine.vllm_version import vllm_problem
 
@@ -77,6 +78,8 @@ class EngineLoad:
     # engine: its modelled steps' seconds and count). Always a pair: both or neither.
     step_s: float | None = None
     steps: int | None = None
+    # The step-cost fit's sums (lumend.engine.step_fit.FIT_KEYS), None: not exported.
+    step_fit: tuple[float, ...] | None = None
 
     def report(self) -> WorkerLoad:
         """The worker's load as its record carries it. The cumulative counters are exact
@@ -90,7 +93,8 @@ class EngineLoad:
             ckpt_running=self.ckpt_running, ckpt_complete=self.ckpt_complete,
             restored_bytes=self.restored_bytes, restored_tokens=self.restored_tokens,
             restore_s=_micro(self.restore_s), prefill_tokens=self.prefill_tokens,
-            prefill_s=_micro(self.prefill_s), step_s=_micro(self.step_s), steps=self.steps)
+            prefill_s=_micro(self.prefill_s), step_s=_micro(self.step_s), steps=self.steps,
+            step_fit=None if self.step_fit is None else list(self.step_fit))
 
 
 def _micro(seconds: float | None) -> float | None:
@@ -303,7 +307,9 @@ PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 STEP_COUNTERS = (("vllm:inter_token_latency_seconds_sum",
                   "vllm:inter_token_latency_seconds_count"),
                  ("lumen_sim_step_seconds_total", "lumen_sim_steps_total"))
-_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+# The step-cost fit's sums, both engine kinds (lumend.engine.step_fit).
+FIT_METRICS = tuple(f"{METRIC_PREFIX}{key}_total" for key in FIT_KEYS)
+_LOAD_METRICS = (*FIT_METRICS, "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", *_COVERAGE, *map(deprecated, _COVERAGE),
                  RESTORED_BYTES, RESTORED_TOKENS, RESTORE_SECONDS, PREFILL_SECONDS,
                  PROMPT_TOKENS,
@@ -356,6 +362,7 @@ def parse_load(metrics_text: str) -> EngineLoad:
         if seconds is not None and count is not None:
             step_s, steps = seconds, count
             break
+    fit = parse_sums({name: values[name] for name in FIT_METRICS if name in values})
     return EngineLoad(
         running=int(values.get("vllm:num_requests_running", 0)),
         waiting=int(values.get("vllm:num_requests_waiting", 0)),
@@ -369,6 +376,7 @@ def parse_load(metrics_text: str) -> EngineLoad:
         prefill_s=counter(PREFILL_SECONDS),
         step_s=step_s,
         steps=None if steps is None else int(steps),
+        step_fit=None if fit is None else fit.values(),
     )
 
 

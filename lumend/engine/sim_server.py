@@ -64,6 +64,7 @@ from lumend.engine.sim_openai import BadRequest, parse, unknown_model
 from lumend.engine.sim_output import RequestOutput, bad_request, dumps, stream
 from lumend.engine.sim_responses import Responses
 from lumend.engine.sim_tokenizer import VOCABULARIES, decode, vocabulary
+from lumend.engine.step_fit import StepFitSums
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 from lumend.gms.client import GmsClient, GmsError
@@ -101,6 +102,7 @@ class SimEngine:
                                 opts.tokens_per_chunk)
         self.scheduler = Scheduler(opts.seed, opts.model.cost, opts.model.limits, self.model)
         self.clock = StepClock()
+        self.step_fit = StepFitSums()  # the step-cost fit's sums (lumend.engine.step_fit)
         self.weights_source = ""
         self.weights_seconds = 0.0
         self.started_at = time.time()
@@ -279,14 +281,18 @@ class SimEngine:
                 self._work.clear()
                 await self._work.wait()
                 continue
+            prefilled = self.scheduler.prefill_tokens
             duration, decoding = self.scheduler.begin_step()
+            extra = self.scheduler.prefill_tokens - prefilled
             attachment, counters = self.assist.attachment, self.assist.current
             drafts = None
             if attachment is not None and counters is not None:
                 drafts = await attachment.drafts(_contexts(decoding), counters)
-                duration += self.scheduler.verify_seconds(
-                    sum(len(d) for d in drafts.values()))
+                drafted = sum(len(d) for d in drafts.values())
+                duration += self.scheduler.verify_seconds(drafted)
+                extra += drafted
             step_s = duration * self.opts.time_scale  # the step as paced: its time base
+            self.step_fit.observe(step_s, extra, len(decoding))
             await asyncio.sleep(self.clock.begin(time.monotonic(), step_s))
             s = self.scheduler
             drafted, accepted = s.drafted_tokens, s.accepted_tokens
@@ -464,6 +470,7 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_steps_total {s.steps}",
             f"lumen_sim_step_seconds_total {engine.clock.modelled_s}",
             f"lumen_sim_step_late_seconds_total {engine.clock.late_s}",
+            *engine.step_fit.metric_lines(),
             f'lumen_sim_active {1 if engine.state == "active" else 0}',
             f"lumen_sim_prefill_tokens_total {s.prefill_tokens}",
             # The same count under vLLM's name for prompt tokens computed (not restored),

@@ -59,6 +59,7 @@ from lumend.engine.metric_names import (
     deprecated,
 )
 from lumend.engine.sim_checkpoint import CheckpointPlan, parse_plan
+from lumend.engine.step_fit import FIT_KEYS, FIT_MEANINGS, METRIC_PREFIX, StepFitSums, StepTimer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -195,6 +196,8 @@ class LumenConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         # Counts since the last stats report (vLLM sums them into Prometheus counters).
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        # Scheduler: the step-cost fit's sums since the last report (lumend.engine.step_fit).
+        self._steps = StepTimer()
         self._incomplete: set[str] = set()  # worker: checkpoints that lost a block
         self._reported_incomplete: set[str] = set()
         self._saving: dict[str, tuple[str, str]] = {}  # worker: request -> (holder, ckpt)
@@ -282,6 +285,7 @@ class LumenConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = LumenConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
+        self._steps.scheduled(scheduled)
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
@@ -490,6 +494,9 @@ class LumenConnector(KVConnectorBase_V1):
             # block so far (the worker reports losses; the scheduler sees every request).
             data["ckpt_running"] = len(self._tracked)
             data["ckpt_complete"] = sum(1 for t in self._tracked.values() if not t.incomplete)
+            data.update((f"fit_{k}", v) for k, v in
+                        zip(FIT_KEYS, self._steps.sums.values(), strict=True) if v)
+            self._steps.sums = StepFitSums()
         return LumenConnectorStats(data=data) if data else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -528,6 +535,7 @@ class LumenConnector(KVConnectorBase_V1):
 
 COUNTERS = ("blocks_saved", "blocks_dropped", "blocks_loaded", "load_failures", "lookup_hits",
             "restored_bytes", "restored_tokens", "restore_seconds")
+FIT_COUNTERS = tuple(f"fit_{key}" for key in FIT_KEYS)
 
 
 class LumenConnectorStats(KVConnectorStats):
@@ -536,7 +544,7 @@ class LumenConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            if key in COUNTERS:
+            if key in COUNTERS or key in FIT_COUNTERS:
                 self.data[key] = self.data.get(key, 0) + value
             elif key == "incomplete":
                 self.data[key] = sorted(set(self.data.get(key, ())) | set(value))
@@ -587,6 +595,11 @@ class LumenPromMetrics(KVConnectorPromMetrics):
                        f"LUMEN checkpoint {key.replace('_', ' ')}.")
             for key in COUNTERS
         }
+        # The step-cost fit's sums (lumend.engine.step_fit); no 0.1 name: new in 0.2.
+        for key in FIT_KEYS:
+            self._counters[f"fit_{key}"] = [self._per_engine(counter(
+                name=f"{METRIC_PREFIX}{key}", labelnames=labelnames,
+                documentation=f"LUMEN step-cost fit: sum over steps of {FIT_MEANINGS[key]}."))]
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values)

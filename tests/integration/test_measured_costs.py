@@ -122,8 +122,12 @@ def test_config_show_reports_the_restore_bandwidth_measured_by_resumes(
     assert kv["source"] == "measured", kv
     assert kv["value"] == pytest.approx(SIM_SMALL_KV_BYTES_PER_TOKEN, rel=1 / 64), kv
     assert kv["age_s"] is not None and kv["age_s"] >= 0
+    how = (f"the marginal cost fitted from {prefill['fit_steps']} engine steps"
+           if prefill["fit_steps"] else "per-request prefill time / tokens")
     print(f"measured: {row['value'] / 1e6:.1f} MB/s restored, {prefill['value'] * 1e6:.0f} us"
-          f" per prefilled token, {kv['value']:.0f} KV bytes per token")
+          f" per prefilled token ({how}; the cost model's marginal b x time scale: "
+          f"{SIM_MODELS['sim-small'].cost.b * 3e6:.0f} us), {kv['value']:.0f} KV bytes per "
+          "token")
     # The coordinator decides with the same figure (it logs the change).
     logs = "".join(p.read_text(errors="replace") for p in cluster.workdir.rglob("*.log"))
     assert "cost model: restore bandwidth" in logs and "measured from 1 worker" in logs

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ import pytest
 
 from lumenctl.localcluster import free_ports, stop_process
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
-from lumend.engine.adapter import LUMEN_KV_TRANSFER_CONFIG
+from lumend.engine.adapter import LUMEN_KV_TRANSFER_CONFIG, parse_load
+from lumend.engine.step_fit import StepFitSums, solve
 
 from ..checkpoint.conftest import RunningHolder
 from .conftest import VLLM_ARGS, VLLM_ENV
@@ -236,3 +239,23 @@ def test_a_resume_the_holder_cannot_serve_recomputes(
                                          "ckpt_id": "c9", "mode": "resume"})
     assert missing == baseline and gone == baseline
     assert b.metric("vllm:external_prefix_cache_hits_total") == hits_before
+
+    # The step-cost fit (lumend.engine.step_fit) from vLLM's scheduler: the connector times
+    # the steps it builds metadata for. Prompts of several lengths, six at a time.
+    rng = random.Random(3)
+    lengths = [rng.randint(8, MAX_LEN - 32) for _ in range(24)]
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda n: b.complete([4 + rng.randrange(260) for _ in range(n)], 16, {}),
+                      lengths))
+    with urllib.request.urlopen(b.url + "/metrics", timeout=5) as r:
+        load = parse_load(r.read().decode())
+    assert load.step_fit is not None, "vLLM exported no step-fit sums"
+    sums = StepFitSums.of(load.step_fit)
+    assert sums.n >= 16 * 4 and sums.p >= sum(lengths) - 24 and sums.y > 0
+    fit = solve(sums)
+    ratio = (load.prefill_s or 0.0) / max(1, load.prefill_tokens or 0)
+    print(f"vLLM step fit over {sums.n:.0f} steps: "
+          + ("undetermined" if fit is None else
+             f"{fit.per_token_s * 1e6:.2f} us per extra token, {fit.per_sequence_s * 1e3:.3f}"
+             f" ms per sequence, {fit.base_s * 1e3:.2f} ms a step")
+          + f"; per-request prefill time / tokens {ratio * 1e6:.2f} us")
