@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -671,6 +672,10 @@ def main() -> None:
     parser.add_argument("--gms-socket")
     parser.add_argument("--failover-lock")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--init-seconds", type=float, default=None,
+                        help="the engine's initialisation after its weights load (before "
+                        "--time-scale; default: the model preset's), so a cold restart "
+                        "can be made as long as a large model's")
     _model_options(parser)
     args = parser.parse_args()
     _check_model_options(parser, args)
@@ -680,6 +685,10 @@ def main() -> None:
         model = sim_model(args.model)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.init_seconds is not None:
+        if not args.init_seconds >= 0:  # also refuses nan
+            parser.error(f"--init-seconds must be 0 or more, got {args.init_seconds!r}")
+        model = dataclasses.replace(model, init_s=args.init_seconds)
     try:
         asyncio.run(serve(EngineOptions(
             engine_id=args.engine_id, host=args.host, port=args.port, model=model,

@@ -9,11 +9,14 @@ draft-assist's verify cost, want the marginal figure: what a step's extra tokens
 Each engine fits it from its steps. A step that ran `extra` tokens beyond one per sequence
 (prompt chunks, drafted tokens to verify) for `sequences` sequences took `seconds`; over
 many steps, least squares on `seconds = base + per_token * extra + per_sequence *
-sequences` gives `per_token`. The engine keeps the fit's sums as cumulative counters
-(`FIT_KEYS`, exported as `lumen_step_fit_<key>_total`); lumend copies them into the worker's
-record and the coordinator solves the fit from the sums of its workers
-(`lumend.coordinator.estimates`). The sums are plain floats: a month of steps keeps their
-relative error near 1e-16, far below what the solve needs.
+sequences` gives `per_token`, used once its standard error is under MAX_RELATIVE_ERROR of
+it: a precision, so more steps never make a fit undetermined (a spread per step did: an
+engine serving long streams after a few prompts lost its fit as decode steps piled up).
+The engine keeps the fit's sums as cumulative counters (`FIT_KEYS`, exported as
+`lumen_step_fit_<key>_total`); lumend copies them into the worker's record and the
+coordinator solves the fit from the sums of its workers (`lumend.coordinator.estimates`).
+The sums are plain floats: a month of steps keeps their relative error near 1e-16, far
+below what the solve needs.
 
 Where the seconds come from: the sim engine gives each step's modelled (paced) duration;
 vLLM's scheduler-side KV connector times the interval between consecutive steps it builds
@@ -28,17 +31,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
-FIT_KEYS = ("n", "p", "b", "y", "pp", "bb", "pb", "py", "by")
+FIT_KEYS = ("n", "p", "b", "y", "pp", "bb", "pb", "py", "by", "yy")
 FIT_MEANINGS = {"n": "1 (steps)", "p": "extra tokens", "b": "sequences", "y": "seconds",
                 "pp": "extra tokens squared", "bb": "sequences squared",
                 "pb": "extra tokens x sequences", "py": "extra tokens x seconds",
-                "by": "sequences x seconds"}
+                "by": "sequences x seconds", "yy": "seconds squared"}
 METRIC_PREFIX = "lumen_step_fit_"
-# A fit needs enough steps, and steps that differ in their extra tokens: with (almost) the
-# same number in every step the slope is not determined. MIN_SPREAD_TOKENS: the standard
-# deviation of the extra tokens per step, after removing what the sequence count explains.
+# A fit needs enough steps, and a slope known to MAX_RELATIVE_ERROR (its standard error
+# over its value): steps that (almost) all carry the same extra tokens, or too few steps
+# with prompt tokens for the timing noise, leave it undetermined.
 MIN_FIT_STEPS = 64
-MIN_SPREAD_TOKENS = 16.0
+MAX_RELATIVE_ERROR = 0.2
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class StepFitSums:
     pb: float = 0.0
     py: float = 0.0
     by: float = 0.0
+    yy: float = 0.0
 
     def observe(self, seconds: float, extra_tokens: int, sequences: int) -> None:
         p, b, y = float(extra_tokens), float(sequences), seconds
@@ -66,6 +70,7 @@ class StepFitSums:
         self.pb += p * b
         self.py += p * y
         self.by += b * y
+        self.yy += y * y
 
     def values(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -108,8 +113,9 @@ class StepFit:
 
 
 def solve(s: StepFitSums) -> StepFit | None:
-    """Least squares of y on (1, p, b) from the sums; None with too few steps or too little
-    spread in p to determine its slope, or a slope that is not a positive number."""
+    """Least squares of y on (1, p, b) from the sums; None with too few steps, a slope of
+    p that the steps do not determine to MAX_RELATIVE_ERROR, or one that is not a positive
+    number."""
     if s.n < MIN_FIT_STEPS:
         return None
     n = s.n
@@ -119,19 +125,23 @@ def solve(s: StepFitSums) -> StepFit | None:
     spb = s.pb - s.p * s.b / n
     spy = s.py - s.p * s.y / n
     sby = s.by - s.b * s.y / n
-    if sbb > 1e-9 * max(1.0, s.bb):
-        det = spp * sbb - spb * spb
-        residual_pp = det / sbb  # p's spread not explained by b, times n
-        if residual_pp < n * MIN_SPREAD_TOKENS ** 2:
-            return None
+    syy = s.yy - s.y * s.y / n
+    two = sbb > 1e-9 * max(1.0, s.bb)  # else the same sequences in every step: p alone
+    det = spp * sbb - spb * spb
+    residual_pp = det / sbb if two else spp  # p's spread that b does not explain, times n
+    if not residual_pp > 1e-9 * max(1.0, s.pp):
+        return None
+    if two:
         per_token = (spy * sbb - sby * spb) / det
         per_sequence = (sby * spp - spy * spb) / det
-    else:  # the same number of sequences in every step: a line in p
-        if spp < n * MIN_SPREAD_TOKENS ** 2:
-            return None
-        per_token = spy / spp
-        per_sequence = 0.0
+    else:
+        per_token, per_sequence = spy / spp, 0.0
     if not math.isfinite(per_token) or per_token <= 0:
+        return None
+    # The slope's standard error: the residual variance over p's unexplained spread.
+    residual = max(0.0, syy - per_token * spy - per_sequence * sby)
+    free = n - (3 if two else 2)
+    if math.sqrt(residual / free / residual_pp) > MAX_RELATIVE_ERROR * per_token:
         return None
     base = (s.y - per_token * s.p - per_sequence * s.b) / n
     return StepFit(base, per_token, per_sequence, int(n))

@@ -33,6 +33,17 @@ from .conftest import wait_until
 CLUSTER = "assist"
 MAX_TOKENS = 3000
 STREAMS = 8
+INIT_S = 16.0
+
+
+def varied_prompt(i: int) -> str:
+    """Prompts of 40 to 460 tokens: steps that carry different numbers of prompt tokens let
+    the engines' step fit determine the marginal cost of a token (lumend.engine.step_fit),
+    which prices verifying the drafts; short prompts alone leave only vLLM's per-request
+    prefill time, which counts each whole shared step per prompt token and overstates
+    that cost tens of times (the gain then barely positive, or not)."""
+    head = f"assisted stream {i}: "
+    return head + "".join(chr(97 + (i * 7 + j) % 26) for j in range(40 + 60 * i - len(head)))
 
 
 def read_view(etcd: EtcdCluster) -> ClusterView:
@@ -53,8 +64,13 @@ def nodes(etcd: EtcdCluster, tmp_path: Path) -> Iterator[list[LumendNode]]:
     try:
         for name in ("node-1", "node-2"):
             ports = free_ports(5)
+            # A reload as long as a large model's (weights 4 s, initialisation INIT_S):
+            # the coordinator decides from heartbeats and published counters, and the
+            # drafts' acceptance reaches etcd through two more; a reload of a few seconds
+            # could end before any of it on a loaded machine (CI's failure).
             text = node_config_toml(name, etcd.endpoints, CLUSTER, ports, lease_ttl_s=3,
-                                    shadows=0, workdir=tmp_path)
+                                    shadows=0, workdir=tmp_path,
+                                    engine_args=("--init-seconds", str(INIT_S)))
             # A model whose reload takes a while, and a drafter for it.
             text = text.replace('model = "sim-small"',
                                 'model = "sim-medium"\ndraft_model = "sim-draft"')
@@ -99,7 +115,7 @@ def test_a_reloading_worker_assists_the_survivor_then_serves(
 
     wait_until(settled, 120, "both workers serving, no assist")
     base = nodes[0].gateway
-    prompts = [f"assisted stream {i}" for i in range(STREAMS)]
+    prompts = [varied_prompt(i) for i in range(STREAMS)]
     seen: dict[str, Any] = {}
 
     async def scenario() -> list[tuple[set[str], str, list[str]]]:

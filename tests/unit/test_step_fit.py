@@ -77,6 +77,51 @@ def test_an_undetermined_or_absurd_fit_is_none() -> None:
     assert fit is not None and math.isclose(fit.per_token_s, PER_TOKEN, rel_tol=1e-9)
 
 
+def long_streams(decode_steps: int, prompts: list[int], noise: float,
+                 rng: random.Random) -> StepFitSums:
+    """A few prompts, then their streams decoding for `decode_steps`, every fourth step
+    verifying 4 drafted tokens per sequence (extra tokens proportional to the sequences, as
+    draft-assist's); each step's context adds what the fit does not model."""
+    sums, context = StepFitSums(), 0
+    for i, p in enumerate(prompts):
+        context += p
+        sums.observe(BASE + PER_TOKEN * p + PER_SEQUENCE * (i + 1) + 1e-7 * context, p, i + 1)
+    b = len(prompts)
+    for i in range(decode_steps):
+        extra = 4 * b if i % 4 == 0 else 0
+        context += b
+        y = BASE + PER_TOKEN * extra + PER_SEQUENCE * b + 1e-9 * context
+        sums.observe(y * (1 + rng.uniform(-noise, noise)), extra, b)
+    return sums
+
+
+def test_more_steps_never_make_a_fit_undetermined() -> None:
+    """An engine that served eight prompts of 40-460 tokens and then their long streams
+    (the integration assist test's survivor): the fit stays determined however long the
+    streams decode. A minimum spread per step (a standard deviation of 16 tokens, the rule
+    before) lost it after a few thousand decode steps, and the coordinator fell back to the
+    per-request prefill time for the rest of the engine's life."""
+    prompts = [40 + 60 * i for i in range(8)]
+    for decode_steps in (500, 5000, 50_000, 500_000):
+        fit = solve(long_streams(decode_steps, prompts, 0.0, random.Random(decode_steps)))
+        assert fit is not None, decode_steps
+        assert math.isclose(fit.per_token_s, PER_TOKEN, rel_tol=0.05), (decode_steps, fit)
+    # The rule before, on the same steps: undetermined once decoding dominates.
+    s = long_streams(50_000, prompts, 0.0, random.Random(0))
+    sbb = s.bb - s.b * s.b / s.n
+    spread = ((s.pp - s.p ** 2 / s.n) - (s.pb - s.p * s.b / s.n) ** 2 / sbb) / s.n
+    assert math.sqrt(spread) < 16
+
+
+def test_a_fit_the_noise_hides_is_none() -> None:
+    """Two short prompts in steps timed with +-50% noise (a busy host): the slope is not
+    known to 20% (negative control); forty such prompts determine it."""
+    few = solve(long_streams(2000, [40, 60], 0.5, random.Random(5)))
+    assert few is None
+    many = solve(long_streams(2000, [40, 60] * 20, 0.5, random.Random(5)))
+    assert many is not None and math.isclose(many.per_token_s, PER_TOKEN, rel_tol=0.2)
+
+
 def test_the_timer_counts_steps_that_follow_without_idling() -> None:
     now = [0.0]
     timer = StepTimer(clock=lambda: now[0])
