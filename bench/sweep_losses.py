@@ -2,6 +2,14 @@
 
     nice -n 10 .venv/bin/python bench/sweep_losses.py --seeds 0-5
     nice -n 10 .venv/bin/python bench/sweep_losses.py --cells 0.7,1,nvme,1,4 --variants
+    .venv/bin/python bench/sweep_losses.py --model llama-3-70b --seeds 0-9 --fixed \
+        --cells 0.7,8,nvme,4,4 0.7,4,nvme,4,4 0.7,2,nvme,4,4 --local-delay
+
+The last is the demo's simulated scenario (4 x Llama-3-70B, prompts x4) at the restore
+speeds where restoring and recomputing cost about the same per token; `--fixed` adds fixed
+checkpointing (the best baseline there) and `--local-delay` LUMEN with the delay term of
+routing priced at the chosen worker's own queue (`lumen-localdelay`, the rule before the
+live mean queue; `policy.completion_estimates`).
 
 Per cell (load, restore GB/s, reload s or nvme, prompt scale, workers; the sweep's axes,
 `lumend/sim/sweep.py`) and seed, stop-and-restart and LUMEN run on the same workload and
@@ -18,13 +26,14 @@ counts only where prefill is capacity-bound or absent). Each run is split into:
 * intr: mean TTFT of the requests the fault moved (interrupted or queued on the failed
   worker), and their mean seconds from detection to their next token (recompute);
 * others: mean TTFT of the window's requests the fault never touched;
+* resumed: moved requests resumed from their checkpoint (the rest recomputed);
 * qroute: mean queue length (requests admitted, not finished) of the survivor each moved
   request was sent to, at the moment it was routed, minus the shortest live queue then;
 * assist: draft rounds (assisted sequence-steps);
 * tpot: per-token TPOT over the window; recovery: the run's recovery time (s).
 
-Ratios to stop-and-restart are means of per-seed ratios with 95% Student-t intervals.
-Prints numbers; asserts nothing.
+Ratios to stop-and-restart (and to fixed checkpointing with `--fixed`) are means of
+per-seed ratios with 95% Student-t intervals. Prints numbers; asserts nothing.
 """
 
 from __future__ import annotations
@@ -64,6 +73,9 @@ BATCH_OWN = "lumen-oldtarget-batchown"
 # the gain is minus the slowdown (an experiment, not the policy's rule).
 TTFT_ASSIST = "lumen-ttftassist"
 _assist_gain = policy.assist_gain
+# LUMEN with the delay its request's seconds impose priced at the chosen worker's own queue
+# (the rule before the live mean queue, `policy.completion_estimates`).
+LOCAL_DELAY = "lumen-localdelay"
 
 
 def ttft_first_gain(step_s: float, verify_extra_s: float, tokens_per_round: float,
@@ -105,6 +117,28 @@ def least_estimate(per_token: list[float] | None) -> Estimates:
     return estimates
 
 
+def local_delay_estimates(snapshot: policy.LoadSnapshot, holder: int | None,
+                          prefix_blocks: int, total_tokens: int, cfg: policy.PolicyConfig
+                          ) -> tuple[float, int | None, float]:
+    """`policy.completion_estimates` with each option's delay term at the chosen worker's
+    own queue: queued work + own seconds x (1 + delay_weight x that worker's queue)."""
+    queued = policy.work(snapshot, cfg)
+    queue = snapshot.queue
+
+    def cost(i: int, seconds: float) -> float:
+        return queued[i] + seconds * (1.0 + cfg.delay_weight * queue[i])
+
+    target = policy.least_loaded(snapshot, cfg)
+    recompute = math.inf if target is None else cost(target, policy.recompute_s(total_tokens,
+                                                                                cfg))
+    resume = math.inf
+    if holder is not None and snapshot.alive[holder] and prefix_blocks > 0:
+        tokens = min(prefix_blocks * cfg.block_tokens, max(total_tokens - 1, 0))
+        resume = cost(holder, policy.restore_s(tokens, cfg)
+                      + policy.recompute_s(total_tokens - tokens, cfg))
+    return resume, target, recompute
+
+
 class Traced(Simulation):
     """The simulator, recording where each moved request is routed and the queues then;
     `variant` swaps the policy's estimates while a request is routed (OLD_TARGET, BATCH_OWN)."""
@@ -122,9 +156,11 @@ class Traced(Simulation):
             for w in self.workers:
                 p = max(1, self.cfg.prefill_budget(len(w.running)))
                 per_token.append(self.cost.step_time(p, len(w.running), w.ctx_sum) / p)
-        if self.variant in (OLD_TARGET, BATCH_OWN):
+        if self.variant in (OLD_TARGET, BATCH_OWN, LOCAL_DELAY):
             saved = policy.completion_estimates
-            setattr(policy, "completion_estimates", least_estimate(per_token))  # noqa: B010
+            swapped = (local_delay_estimates if self.variant == LOCAL_DELAY
+                       else least_estimate(per_token))
+            setattr(policy, "completion_estimates", swapped)  # noqa: B010
             try:
                 super()._recover(r, now)
             finally:
@@ -164,7 +200,8 @@ def parse_cell(text: str) -> Cell:
 def variants(base: SimConfig, names: list[str]) -> dict[str, SimConfig]:
     out: dict[str, SimConfig] = {}
     for name in names:
-        cfg = apply_policy(base, "stop_and_restart" if name == "stop_and_restart" else "lumen")
+        baseline = name in ("stop_and_restart", "fixed_checkpoint")
+        cfg = apply_policy(base, name if baseline else "lumen")
         if name.endswith("-noassist"):
             cfg = replace(cfg, policy=replace(cfg.policy, draft_assist=False))
         out[name] = cfg
@@ -212,14 +249,21 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--fail-at", type=float, default=200.0)
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--fixed", action="store_true", help="add fixed checkpointing")
+    ap.add_argument("--local-delay", action="store_true",
+                    help=f"add {LOCAL_DELAY} (and without assist)")
+    ap.add_argument("--model", default=SimConfig().model)
+    ap.add_argument("--gpu", default=SimConfig().gpu)
     args = ap.parse_args()
     lo, _, hi = args.seeds.partition("-")
     seeds = list(range(int(lo), int(hi or lo) + 1))
-    names = ["stop_and_restart", "lumen"]
+    names = ["stop_and_restart"] + (["fixed_checkpoint"] if args.fixed else []) + ["lumen"]
     if args.variants:
         names += ["lumen-noassist", TTFT_ASSIST, OLD_TARGET, OLD_TARGET + "-noassist",
                   BATCH_OWN, BATCH_OWN + "-noassist"]
-    base = SimConfig()
+    if args.local_delay:
+        names += [LOCAL_DELAY, LOCAL_DELAY + "-noassist"]
+    base = SimConfig(model=args.model, gpu=args.gpu)
     base = replace(base, fault=replace(base.fault, kind=base.fault.kind.worker,
                                        at_s=args.fail_at))
     keys = ("ff", "ttft", "intr", "recomp", "others", "moved", "resumed", "qroute", "assist",
@@ -247,13 +291,17 @@ def main() -> None:
         print(f"  {'policy':16s} " + " ".join(f"{k:>15s}" for k in keys))
         for name in names:
             print(f"  {name:16s} " + " ".join(f"{fmt(per[name][k]):>15s}" for k in keys))
-        sr = per["stop_and_restart"]
-        for name in names[1:]:
-            ratios = []
-            for k in ("ff", "ttft", "intr", "others", "tpot"):
-                m, h = paired_ratio(per[name][k], sr[k])
-                ratios.append(f"{k} {m:.3f} ± {h:.3f}")
-            print(f"  {name} / S&R: " + ", ".join(ratios))
+        for base_name, label in (("stop_and_restart", "S&R"), ("fixed_checkpoint", "fixed")):
+            if base_name not in per:
+                continue
+            for name in names:
+                if name in ("stop_and_restart", "fixed_checkpoint"):
+                    continue
+                ratios = []
+                for k in ("ff", "ttft", "intr", "others", "tpot"):
+                    m, h = paired_ratio(per[name][k], per[base_name][k])
+                    ratios.append(f"{k} {m:.3f} ± {h:.3f}")
+                print(f"  {name} / {label}: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":
