@@ -18,8 +18,9 @@ fault as the sweep runs them. `--variants` adds LUMEN without draft assist
 survivor with the least estimate instead of the shortest queue) and that target with the
 recompute's own seconds priced at each survivor's decode batch (`d*B + e*C` in every step)
 instead of a full chunk's cost per token (`lumen-oldtarget-batchown`), each also without
-assist, and LUMEN with a TTFT-first assist gain (`lumen-ttftassist`: the decode speed-up
-counts only where prefill is capacity-bound or absent). Each run is split into:
+assist, and LUMEN with draft-assist's gain weighing throughput (`lumen-throughputassist`:
+the decode speed-up counted on every decode-only step, against the default "ttft", which
+counts it only where prefill is capacity-bound or absent). Each run is split into:
 
 * ff: failure-free mean TTFT over the whole trace (the reference run);
 * ttft: the sweep's figure, mean TTFT over the impact window (common to the policies);
@@ -68,23 +69,13 @@ Routes = list[tuple[int, int, bool]]
 # at each survivor's decode batch instead of a full chunk's cost per token.
 OLD_TARGET = "lumen-oldtarget"
 BATCH_OWN = "lumen-oldtarget-batchown"
-# LUMEN with a TTFT-first assist gain: the decode speed-up counts only where prefill waits
-# for batch slots or KV, or where no step carried prefill in the last interval; elsewhere
-# the gain is minus the slowdown (an experiment, not the policy's rule).
-TTFT_ASSIST = "lumen-ttftassist"
-_assist_gain = policy.assist_gain
+# LUMEN with draft-assist's gain weighing throughput (`assist_objective = "throughput"`):
+# the decode speed-up over the share of steps that decode only, minus the prefill slowdown
+# over the share that carry prefill (the rule before "ttft", the default).
+THROUGHPUT_ASSIST = "lumen-throughputassist"
 # LUMEN with the delay its request's seconds impose priced at the chosen worker's own queue
 # (the rule before the live mean queue, `policy.completion_estimates`).
 LOCAL_DELAY = "lumen-localdelay"
-
-
-def ttft_first_gain(step_s: float, verify_extra_s: float, tokens_per_round: float,
-                    prefill_waiting: bool, capacity_bound: bool = False,
-                    prefill_share: float = 0.0) -> float:
-    if capacity_bound or (not prefill_waiting and prefill_share <= 0):
-        return _assist_gain(step_s, verify_extra_s, tokens_per_round, prefill_waiting,
-                            capacity_bound, prefill_share)
-    return -verify_extra_s / step_s if step_s > 0 else 0.0
 
 
 def least_estimate(per_token: list[float] | None) -> Estimates:
@@ -182,13 +173,7 @@ class Run:
 def simulate_traced(workload: Workload, cfg: SimConfig, variant: str = ""
                     ) -> tuple[SimResult, Routes]:
     sim = Traced(workload, cfg, variant)
-    if variant != TTFT_ASSIST:
-        return sim.run(), sim.routes
-    setattr(policy, "assist_gain", ttft_first_gain)  # noqa: B010
-    try:
-        return sim.run(), sim.routes
-    finally:
-        setattr(policy, "assist_gain", _assist_gain)  # noqa: B010
+    return sim.run(), sim.routes
 
 
 def parse_cell(text: str) -> Cell:
@@ -204,6 +189,8 @@ def variants(base: SimConfig, names: list[str]) -> dict[str, SimConfig]:
         cfg = apply_policy(base, name if baseline else "lumen")
         if name.endswith("-noassist"):
             cfg = replace(cfg, policy=replace(cfg.policy, draft_assist=False))
+        if name == THROUGHPUT_ASSIST:
+            cfg = replace(cfg, policy=replace(cfg.policy, assist_objective="throughput"))
         out[name] = cfg
     return out
 
@@ -250,6 +237,8 @@ def main() -> None:
     ap.add_argument("--fail-at", type=float, default=200.0)
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--fixed", action="store_true", help="add fixed checkpointing")
+    ap.add_argument("--throughput", action="store_true",
+                    help=f"add {THROUGHPUT_ASSIST} (assist_objective throughput)")
     ap.add_argument("--local-delay", action="store_true",
                     help=f"add {LOCAL_DELAY} (and without assist)")
     ap.add_argument("--model", default=SimConfig().model)
@@ -259,8 +248,10 @@ def main() -> None:
     seeds = list(range(int(lo), int(hi or lo) + 1))
     names = ["stop_and_restart"] + (["fixed_checkpoint"] if args.fixed else []) + ["lumen"]
     if args.variants:
-        names += ["lumen-noassist", TTFT_ASSIST, OLD_TARGET, OLD_TARGET + "-noassist",
+        names += ["lumen-noassist", THROUGHPUT_ASSIST, OLD_TARGET, OLD_TARGET + "-noassist",
                   BATCH_OWN, BATCH_OWN + "-noassist"]
+    if args.throughput and not args.variants:
+        names.append(THROUGHPUT_ASSIST)
     if args.local_delay:
         names += [LOCAL_DELAY, LOCAL_DELAY + "-noassist"]
     base = SimConfig(model=args.model, gpu=args.gpu)

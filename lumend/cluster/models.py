@@ -143,6 +143,7 @@ Decisions = Literal["cost_aware", "paper"]
 # Where cost-aware decisions take their cost figures (lumend.coordinator.estimates): measured
 # by the engines where they are (the default), or PolicyConfig's constants only.
 Costs = Literal["measured", "constant"]
+AssistObjective = Literal["ttft", "throughput"]
 
 
 class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -161,6 +162,8 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # cost_aware: alpha, beta, theta and tau are not used (the cost model's seconds instead).
     decisions: Decisions = "cost_aware"
     costs: Costs = "measured"
+    # What draft-assist's predicted gain weighs (policy.assist_gain; cost_aware only).
+    assist_objective: AssistObjective = "ttft"
 
 
 class AssistAssignment(msgspec.Struct, frozen=True, kw_only=True):

@@ -395,13 +395,15 @@ class AssistInputs:
     prefill_waiting: bool
     capacity_bound: bool
     prefill_share: float
+    objective: str = "ttft"  # PolicyConfig.assist_objective: what the gain weighs
 
     @property
     def gain(self) -> float:
         if self.step_s <= 0:  # nothing decoding: nothing to speed up
             return 0.0
         return assist_gain(self.step_s, self.verify_extra_s, self.tokens_per_round,
-                           self.prefill_waiting, self.capacity_bound, self.prefill_share)
+                           self.prefill_waiting, self.capacity_bound, self.prefill_share,
+                           self.objective)
 
     def describe(self) -> str:
         if self.step_s <= 0:
@@ -425,7 +427,8 @@ HURT_COOLDOWN_MAX_S = 600.0
 
 
 def measured_inputs(load: WorkerLoad, before_s: float, assisted: StepRate, tpr: float,
-                    prefill_s_per_token: float) -> AssistInputs | None:
+                    prefill_s_per_token: float, objective: str = "ttft"
+                    ) -> AssistInputs | None:
     """The gain's inputs for a survivor being assisted, from what was measured: its step
     time before the drafts (`before_s`) and with them (`assisted`), the verify cost being
     their difference, and the acceptance (`tpr`); None when there is no before to compare
@@ -433,18 +436,19 @@ def measured_inputs(load: WorkerLoad, before_s: float, assisted: StepRate, tpr: 
     prediction that was right keeps the assignment and one that was wrong ends it."""
     if before_s <= 0 or load.running <= 0:
         return None
-    predicted = assist_inputs(load, assisted, 0, tpr, prefill_s_per_token)
+    predicted = assist_inputs(load, assisted, 0, tpr, prefill_s_per_token, objective)
     assert predicted is not None  # it runs something and has a step rate
     return dataclasses.replace(predicted, step_s=before_s,
                                verify_extra_s=max(0.0, assisted.step_s - before_s))
 
 
 def assist_inputs(load: WorkerLoad, rate: StepRate | None, k: int, tpr: float,
-                  prefill_s_per_token: float) -> AssistInputs | None:
+                  prefill_s_per_token: float, objective: str = "ttft"
+                  ) -> AssistInputs | None:
     """The gain's inputs for a survivor with this load and recent steps; None when it runs
     something and its step time is not known."""
     if load.running <= 0:
-        return AssistInputs(0.0, 0.0, tpr, load.waiting > 0, False, 0.0)
+        return AssistInputs(0.0, 0.0, tpr, load.waiting > 0, False, 0.0, objective)
     if rate is None:
         return None
     share = 0.0
@@ -455,4 +459,5 @@ def assist_inputs(load: WorkerLoad, rate: StepRate | None, k: int, tpr: float,
         step_s=rate.step_s,
         verify_extra_s=load.running * k * prefill_s_per_token + ASSIST_ROUND_S,
         tokens_per_round=tpr, prefill_waiting=waiting,
-        capacity_bound=waiting and load.kv_usage >= KV_BOUND, prefill_share=share)
+        capacity_bound=waiting and load.kv_usage >= KV_BOUND, prefill_share=share,
+        objective=objective)

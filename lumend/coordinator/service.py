@@ -76,6 +76,7 @@ from lumend.coordinator.loadbook import (
 from lumend.coordinator.plans import RETAIN_S, STALE_S, advance, new_plan, with_decision
 from lumend.coordinator.policy import (
     Mode,
+    PolicyConfig,
     assist_target,
     completion_estimates,
     l_hat,
@@ -186,7 +187,7 @@ class CoordinatorService:
             k = draft_tokens(w.engine)
             inputs = assist_inputs(w.load, self.steps.rate(w.name), k,
                                    tokens_per_round(k, drafted[w.model], accepted[w.model]),
-                                   prefill)
+                                   prefill, table.cfg.assist_objective)
             if inputs is None:
                 known = False
                 continue
@@ -446,7 +447,7 @@ class CoordinatorService:
             elif not policy.uses_assist:
                 why = f"policy {policy.mode.value} has no draft-assist"
             else:
-                why = self._hurts(a, survivor, policy.recompute_s_per_token, now) \
+                why = self._hurts(a, survivor, policy, now) \
                     if policy.cost_aware else ""
             if why:
                 self.decisions["assist_end"] += 1
@@ -560,7 +561,7 @@ class CoordinatorService:
         return [Put(keys.assist_estimates, encode_value(
             AssistEstimates(at=now, epoch=self.epoch, workers=rows)))]
 
-    def _hurts(self, a: AssistAssignment, survivor: WorkerRecord, prefill_s_per_token: float,
+    def _hurts(self, a: AssistAssignment, survivor: WorkerRecord, cfg: PolicyConfig,
                now: float) -> str:
         """Why assignment `a` should end because it slows its survivor down, or "": its
         gain measured on its own steps (estimates.measured_inputs: the step time before the
@@ -575,7 +576,7 @@ class CoordinatorService:
         k = draft_tokens(survivor.engine)
         tpr = tokens_per_round(k, a.drafted_tokens, a.accepted_tokens)
         inputs = measured_inputs(survivor.load, a.step_s_before, assisted, tpr,
-                                 prefill_s_per_token)
+                                 cfg.recompute_s_per_token, cfg.assist_objective)
         if inputs is None or inputs.gain >= -HURT_MARGIN:
             return ""
         pair = (a.recovering, a.survivor)

@@ -25,13 +25,21 @@ from typing import get_args
 
 import msgspec
 
-from lumend.cluster.models import ClusterSettings, Costs, Decisions, PolicyMode, WorkerRecord
+from lumend.cluster.models import (
+    AssistObjective,
+    ClusterSettings,
+    Costs,
+    Decisions,
+    PolicyMode,
+    WorkerRecord,
+)
 from lumend.coordinator.estimates import CostEstimates, estimate
 from lumend.coordinator.policy import Mode, PolicyConfig, in_seconds
 
 MODES: tuple[str, ...] = get_args(PolicyMode)
 DECISIONS: tuple[str, ...] = get_args(Decisions)
 COSTS: tuple[str, ...] = get_args(Costs)
+ASSIST_OBJECTIVES: tuple[str, ...] = get_args(AssistObjective)
 KEYS: dict[str, str] = {
     "alpha": "L_hat weight of one checkpoint byte held (a number >= 0; default 1/GiB; "
              "decisions paper only)",
@@ -47,6 +55,10 @@ KEYS: dict[str, str] = {
     "costs": "measured (cost-aware decisions use the restore bandwidth, KV bytes and "
              "prefill cost the engines measure, where they have) or constant (the built-in "
              "figures only)",
+    "assist_objective": "ttft (draft-assist only where faster decoding delays no prompt: "
+                        "prefill waiting for batch slots or KV, or none lately) or "
+                        "throughput (also trades prompt delay for decode speed by the share "
+                        "of steps each takes); decisions cost_aware only",
 }
 
 
@@ -72,6 +84,11 @@ def parse_setting(settings: ClusterSettings, key: str, text: str) -> ClusterSett
         if text not in COSTS:
             raise SettingError(f"costs {text!r} is not a source of cost figures; use one of "
                                f"{', '.join(COSTS)}")
+        value = text
+    elif key == "assist_objective":
+        if text not in ASSIST_OBJECTIVES:
+            raise SettingError(f"assist_objective {text!r} is not an objective; use one of "
+                               f"{', '.join(ASSIST_OBJECTIVES)}")
         value = text
     elif key == "tau":
         try:
@@ -145,22 +162,24 @@ def policy_config(settings: ClusterSettings | None) -> PolicyConfig:
     s = settings or ClusterSettings()
     if s.decisions == "cost_aware":
         measured = s if isinstance(s, InForce) else None
-        return _cost_aware(s.theta, s.tau, s.mode,
+        return _cost_aware(s.theta, s.tau, s.mode, s.assist_objective,
                            measured and measured.restore_bytes_per_s,
                            measured and measured.recompute_s_per_token,
                            measured and measured.kv_bytes_per_token)
-    return PolicyConfig(alpha=s.alpha, beta=s.beta, theta=s.theta, tau=s.tau, mode=Mode(s.mode))
+    return PolicyConfig(alpha=s.alpha, beta=s.beta, theta=s.theta, tau=s.tau, mode=Mode(s.mode),
+                        assist_objective=s.assist_objective)
 
 
 @functools.lru_cache(maxsize=16)
-def _cost_aware(theta: float, tau: int, mode: str, restore_bytes_per_s: float | None = None,
+def _cost_aware(theta: float, tau: int, mode: str, objective: str = "ttft",
+                restore_bytes_per_s: float | None = None,
                 recompute_s_per_token: float | None = None,
                 kv_bytes_per_token: float | None = None) -> PolicyConfig:
     # Cached: the load book builds one per view (the config is frozen, so sharing is safe).
     # Measured figures change the record a worker writes in steps of 1/128 at most (its
     # counters' rounding), so a few entries cover a cluster's views.
     cfg = PolicyConfig(theta=theta, tau=tau, mode=Mode(mode), cost_aware=True,
-                       admission="queue")
+                       admission="queue", assist_objective=objective)
     if restore_bytes_per_s is not None:
         cfg = replace(cfg, restore_bytes_per_s=restore_bytes_per_s)
     if recompute_s_per_token is not None:

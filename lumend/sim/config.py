@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 from lumend.coordinator.policy import GIB, MEAN_PROMPT_TOKENS, Mode, PolicyConfig, in_seconds
 from lumend.engine.costmodel import CostModel, load_cost_model
@@ -235,7 +236,7 @@ def named_policy(name: str, base: PolicyConfig) -> PolicyConfig:
     if name.startswith("lumen-"):
         parts = name.removeprefix("lumen-").split("+")
         if parts and all(p in MECHANISMS for p in parts):
-            switches = {flag: key in parts for key, flag in MECHANISMS.items()}
+            switches: dict[str, Any] = {flag: key in parts for key, flag in MECHANISMS.items()}
             return replace(base, mode=Mode.lumen, cost_aware=True, admission="queue",
                            **switches)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(policy_names())}, "

@@ -1002,7 +1002,8 @@ class Simulation:
             step = self.cost.step_time(p, nrun, w.ctx_sum) / w.speed
             self.col_gain[w.idx] = policy.assist_gain(
                 step, self._assist_extra(w, nrun), tpr, prefill_waiting=todo > 0,
-                capacity_bound=bound, prefill_share=share)
+                capacity_bound=bound, prefill_share=share,
+                objective=self.cfg.policy.assist_objective)
 
     def _schedule_restores(self, w: Worker) -> None:
         at = w.restores.next_done_at()

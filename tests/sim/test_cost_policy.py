@@ -262,10 +262,24 @@ def test_assist_gain_is_off_where_prefill_pays_for_it() -> None:
     assert policy.assist_gain(0.05, 0.01, 2.3, prefill_waiting=True, capacity_bound=True) > 0
     # Verifying costs more than it brings (large compute-bound batch).
     assert policy.assist_gain(0.05, 0.08, 2.3, prefill_waiting=False) < 0
-    # Mostly prefill steps recently: the decode gain (+92%) on 10% of the steps does not pay
-    # for the 20% slowdown of the other 90%.
-    assert policy.assist_gain(0.05, 0.01, 2.3, prefill_waiting=False, prefill_share=0.9) < 0
-    assert policy.assist_gain(0.05, 0.01, 2.3, prefill_waiting=False, prefill_share=0.5) > 0
+    # Some steps carried prefill lately, none waits now: each prompt that arrives would
+    # wait 20% longer for its first token, and the objective "ttft" (the default) says no
+    # however few they are; "throughput" weighs the decode gain (+92%) on the steps that
+    # decode only against that slowdown on the others.
+    for share in (0.01, 0.5, 0.9):
+        assert policy.assist_gain(0.05, 0.01, 2.3, prefill_waiting=False,
+                                  prefill_share=share) == pytest.approx(-0.2)
+    def throughput(share: float) -> float:
+        return policy.assist_gain(0.05, 0.01, 2.3, prefill_waiting=False, prefill_share=share,
+                                  objective="throughput")
+    assert throughput(0.9) < 0 < throughput(0.5)
+    # Both agree where nothing competes (no prefill lately) or prefill waits for capacity.
+    for objective in ("ttft", "throughput"):
+        assert policy.assist_gain(0.05, 0.01, 2.3, False, objective=objective) > 0
+        assert policy.assist_gain(0.05, 0.01, 2.3, True, True, 0.5, objective) > 0
+        assert policy.assist_gain(0.05, 0.01, 2.3, True, False, 0.0, objective) < 0
+    with pytest.raises(ValueError, match="assist_objective must be one of ttft, throughput"):
+        PolicyConfig(assist_objective="latency")
 
 
 def test_assist_target_is_the_highest_positive_gain() -> None:

@@ -121,6 +121,26 @@ def test_the_setting_is_parsed_checked_and_shown() -> None:
         decode_value(b'{"decisions": "fast"}', ClusterSettings)
 
 
+def test_the_assist_objective_is_set_checked_and_reaches_the_policy() -> None:
+    s = ClusterSettings()
+    assert s.assist_objective == "ttft"
+    assert policy_config(s).assist_objective == "ttft"
+    throughput = parse_setting(s, "assist_objective", "throughput")
+    assert policy_config(throughput).assist_objective == "throughput"
+    paper = parse_setting(throughput, "decisions", "paper")
+    assert policy_config(paper).assist_objective == "throughput"
+    with pytest.raises(SettingError, match=r"assist_objective 'latency' is not an objective; "
+                                           r"use one of ttft, throughput"):
+        parse_setting(s, "assist_objective", "latency")
+    rows = {r["key"]: r for r in as_rows(throughput)}
+    assert rows["assist_objective"]["value"] == "throughput"
+    assert rows["assist_objective"]["default"] is False
+    # The default is not written: a node of an older release still reads the value.
+    assert b"assist_objective" not in msgspec.json.encode(s)
+    with pytest.raises(msgspec.ValidationError, match=r"assist_objective"):
+        decode_value(b'{"assist_objective": "latency"}', ClusterSettings)
+
+
 def test_old_records_decode_with_the_defaults() -> None:
     # A `config` value written before the setting existed: cost-aware from now on.
     old = decode_value(b'{"alpha": 1e-9, "beta": 2.0, "theta": 10.0, "tau": 8, '
