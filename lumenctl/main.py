@@ -790,9 +790,9 @@ def keys_generate(
 # -- config (cluster policy settings) ----------------------------------------------------
 
 config_app = typer.Typer(
-    help="Cluster-wide policy settings (etcd `config`): decisions, costs, alpha, beta, theta, "
-    "tau, mode. The coordinator reads them every cycle, so a change applies to its next "
-    "decisions.",
+    help="Cluster-wide policy settings (etcd `config`): decisions, costs, assist_objective, "
+    "alpha, beta, theta, tau, mode. The coordinator reads them every cycle, so a change "
+    "applies to its next decisions.",
     no_args_is_help=True,
 )
 app.add_typer(config_app, name="config")

@@ -97,6 +97,18 @@ def test_a_reloading_vllm_worker_assists_the_survivor_then_serves(
         return doc if ok and not doc.get("assists") else None
 
     wait_until(serving, 900, "both vLLM workers serving")
+    # The traffic while the engine reloads is one request at a time, each prompt's prefill
+    # in the survivor's steps: the default objective (ttft) rightly declines to assist
+    # there (each new prompt's first token would wait for the verified drafts; decided in
+    # tests/sim/test_cost_policy.py and tests/unit/test_assist_gain.py). This test is the
+    # mechanism on real vLLM, so it asks for the decode speed-up.
+    out = subprocess.run([sys.executable, "-m", "lumenctl", "--endpoints",
+                          ",".join(etcd.endpoints), "--cluster", CLUSTER, "config", "set",
+                          "assist_objective", "throughput", "--yes"], capture_output=True,
+                         text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    shown = {r["key"]: r["value"] for r in lumenctl(etcd, "config", "show")["settings"]}
+    assert shown["assist_objective"] == "throughput", shown
     base = nodes[0].gateway
     seen: dict[str, Any] = {}
 
