@@ -45,8 +45,7 @@ forms): decisions in seconds.
   (its queued work + restore bytes / restore bandwidth + the tail's recompute) against
   recompute at the survivor admission would pick, as stop-and-restart does (its work + the
   whole context's recompute), each plus the delay the request's own seconds impose on the
-  others (`delay_weight` x the live workers' mean queue, which admission spreads them over;
-  `completion_estimates`); resume on ties. Queued work is
+  requests already there (`delay_weight`; `completion_estimates`); resume on ties. Queued work is
   `LoadSnapshot.work_s` when the caller gives it (seconds of queued prefill and restores
   from its cost model), else beta * queue. theta and tau are not used.
 * Algorithm 3 by predicted gain (`assist_gain`, the caller's `LoadSnapshot.assist_gain`):
@@ -268,14 +267,6 @@ def work(snapshot: LoadSnapshot, cfg: PolicyConfig) -> list[float]:
     return [v if ok else math.inf for v, ok in zip(given, snapshot.alive, strict=True)]
 
 
-def shared_queue(snapshot: LoadSnapshot) -> float:
-    """The live workers' mean queue (requests admitted, not finished): how many requests
-    share, on average, the steps that a second of added work delays (`completion_estimates`);
-    0 when none is live."""
-    live = [q for q, ok in zip(snapshot.queue, snapshot.alive, strict=True) if ok]
-    return sum(live) / len(live) if live else 0.0
-
-
 def recompute_s(tokens: float, cfg: PolicyConfig) -> float:
     return max(0.0, tokens) * cfg.recompute_s_per_token
 
@@ -291,18 +282,9 @@ def completion_estimates(
     """(cost of resuming at the holder, the recompute target, cost of recomputing there);
     +inf where impossible. A cost is the request's estimated completion (the worker's queued
     work + its own restore/recompute seconds) plus `delay_weight` times the delay its own
-    seconds impose on other requests (they share the GPU steps): the extra work of
-    recomputing delays everyone behind it, which matters most when the survivors are
+    seconds impose on the requests already there (they share its GPU steps): the extra work
+    of recomputing delays everyone behind it, which matters most when the survivors are
     overloaded.
-
-    The requests delayed are `shared_queue`'s, the live workers' mean queue, not the chosen
-    worker's: admission sends new requests to the shorter queues, so seconds added to one
-    worker end up shared by the whole cluster's backlog, while a gap between two queues
-    lasts only until the next admissions close it. Pricing the chosen worker's own queue
-    favoured recomputing every time (the target is the shortest queue by construction) and
-    traded restores for up to 30% more GPU seconds of recompute where restoring was cheaper
-    per token (the demo's 4 x Llama-3-70B x4 prompts at 2 GB/s: 1.03x fixed checkpointing's
-    mean TTFT over 10 seeds; bench/sweep_losses.py, `lumen-localdelay`).
 
     The recompute target is the survivor admission would pick (`least_loaded`: the shortest
     queue with `admission = "queue"`), where stop-and-restart recomputes too; the estimate
@@ -313,10 +295,10 @@ def completion_estimates(
     docs/simulator.md, *Sweep*): the estimate prices one prefill, not the decoding that
     follows it on the target nor the admissions it turns away."""
     queued = work(snapshot, cfg)
-    sharing = 1.0 + cfg.delay_weight * shared_queue(snapshot)
+    weight, queue = cfg.delay_weight, snapshot.queue
 
     def cost(worker: int, own: float) -> float:
-        return queued[worker] + own * sharing
+        return queued[worker] + own * (1.0 + weight * queue[worker])
 
     target = least_loaded(snapshot, cfg)
     recompute = math.inf if target is None else cost(target, recompute_s(total_tokens, cfg))
