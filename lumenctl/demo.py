@@ -264,8 +264,8 @@ class LiveView:
                                        f"{d.reason}")
                 for a in started:
                     self.console.print(f"  t={now:5.1f}s  assist: {a.recovering} loads its "
-                                       f"model and drafts for {a.survivor}, the most loaded "
-                                       "survivor, meanwhile")
+                                       f"model and drafts for {a.survivor} meanwhile (the "
+                                       "survivor with the highest predicted gain)")
                 for a in ended:
                     self.console.print(f"  t={now:5.1f}s  assist ended: {a.recovering} "
                                        f"serves again; {assist_text(a)}")
@@ -430,6 +430,14 @@ def _compare(console: Console, cluster: LocalCluster, options: DemoOptions,
     for line in lumenctl(cluster, "config", "set", "costs", "constant",
                          "--yes").strip().splitlines():
         console.print(f"  {line}")
+    # Its survivors take new prompts throughout: the default objective (ttft) declines to
+    # slow their prefill with verified drafts, so draft-assist would not run at all.
+    console.print("$ lumenctl config set assist_objective throughput --yes  (the survivors "
+                  "take new prompts throughout: the default, ttft, would not slow them with "
+                  "drafts, and the demo shows draft-assist)")
+    for line in lumenctl(cluster, "config", "set", "assist_objective", "throughput",
+                         "--yes").strip().splitlines():
+        console.print(f"  {line}")
     results = [_policy_run(console, cluster, mode, options, shadows)
                for mode in options.policies]
     console.rule("the policies side by side")
@@ -472,8 +480,8 @@ def run_demo(console: Console, options: DemoOptions) -> list[Result]:
     shadowed = "node-1"  # the engine-kill and planned-failover steps use its shadow
     shadows = {f"{shadowed}-w0": 1}
     with tempfile.TemporaryDirectory(prefix="lumen-demo-") as tmp:
-        # The comparison's victim has no shadow: it reloads, and drafts for the most loaded
-        # survivor meanwhile (draft-assist, Algorithm 3, under mode lumen).
+        # The comparison's victim has no shadow: it reloads, and drafts for a survivor
+        # meanwhile (draft-assist, Algorithm 3, under mode lumen).
         cluster = LocalCluster(Path(tmp), size=nodes, lease_ttl_s=options.lease_ttl_s,
                                shadows=0, node_shadows={shadowed: 1},
                                node_draft_models={f"node-{nodes}": "sim-draft"},
