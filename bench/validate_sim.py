@@ -21,11 +21,16 @@ model's). Asserts nothing; prints the table, how far the sim engines fell behind
 cost model, and the load average (2 shared cores: the real side's timing is the
 machine's too).
 
-    python bench/validate_sim.py [--model sim-medium] [--nodes 2] [--rate 2.5]
-        [--duration 150] [--fault-at 45] [--warmup 20] [--time-scale 8] [--policy lumen]
-        [--save F.json]
+Several seeds and policies run one after another (each seed's trace under each policy, a
+fresh cluster per run), and then a summary: per policy and metric the mean simulated /
+real ratio over the seeds with its 95% Student-t interval and how many runs were within
+15%, and LUMEN / stop-and-restart mean TTFT paired by seed, real and simulated.
 
-Needs the etcd binary. About 4.5 minutes with the defaults.
+    python bench/validate_sim.py [--model sim-medium] [--nodes 2] [--rate 2.5]
+        [--duration 150] [--fault-at 45] [--warmup 20] [--time-scale 8]
+        [--policy lumen [stop_and_restart ...]] [--seed 7 [11 ...]] [--save F.json]
+
+Needs the etcd binary. About 4.5 minutes per run with the defaults.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from lumend.engine.sim_models import sim_model
 from lumend.sim.config import apply_policy
 from lumend.sim.engine import simulate
 from lumend.sim.local import local_cluster_config, sim_engine_cost
+from lumend.sim.stats import interval, paired_ratio
 from lumend.sim.sweep import request_seconds
 from lumend.sim.workload import Workload
 
@@ -74,6 +80,7 @@ RECOVERY_WINDOW_S, RECOVERY_STEP_S = 10.0, 0.5
 # the level before the fault and up to 1.43x after the worker was back (one burst), so at
 # 20% noise decides the answer.
 RECOVERY_TOLERANCES = (0.5, 0.2)
+AGREEMENT = 0.15  # the issue's bar: simulated within 15% of real
 PROBES = 10  # lone requests per path for the idle TTFT
 PROBE_TOKENS = 1000  # their prompt (a probe prefix adds a few)
 
@@ -302,8 +309,9 @@ def utilisation(model_name: str, rate: float, nodes: int, prompt: tuple[int, int
     return rate / nodes * seconds
 
 
-def table(real: Side, sim: Side) -> str:
-    rows: list[tuple[str, float | None, float | None, str]] = [
+def rows(real: Side, sim: Side) -> list[tuple[str, float | None, float | None, str]]:
+    """(metric, real, simulated, unit) for the table and the summary over seeds."""
+    return [
         ("mean TTFT", real.ttft_s, sim.ttft_s, "s"),
         ("mean TPOT", real.tpot_s, sim.tpot_s, "s"),
         (f"recovery time ({RECOVERY_TOLERANCES[0]:.0%})", real.recovery_s, sim.recovery_s,
@@ -315,9 +323,66 @@ def table(real: Side, sim: Side) -> str:
         ("worker back after", real.back_after_s, sim.back_after_s, "s"),
         ("requests completed", real.completed, sim.completed, ""),
     ]
+
+
+SUMMARISED = ("mean TTFT", "mean TPOT", f"recovery time ({RECOVERY_TOLERANCES[0]:.0%})",
+              f"recovery time ({RECOVERY_TOLERANCES[1]:.0%})", "requests interrupted",
+              "failure-free TTFT")
+
+
+@dataclass(frozen=True)
+class Validation:
+    """One seed under one policy, measured on both sides."""
+
+    seed: int
+    policy: str
+    real: Side
+    sim: Side
+
+
+def summary(runs: Sequence[Validation]) -> str:
+    """Per policy and metric: the mean simulated / real ratio over seeds with its 95%
+    interval and the runs within AGREEMENT; then LUMEN / stop-and-restart mean TTFT paired
+    by seed on each side. A metric with no ratio in a run (never recovered, or 0 real) is
+    left out of that run's count and said so."""
+    lines = [f"{'policy':<18} {'metric':<22} {'sim / real (95%)':>18} {'within':>7}  "
+             "per seed", "-" * 90]
+    for policy in dict.fromkeys(r.policy for r in runs):
+        mine = [r for r in runs if r.policy == policy]
+        for metric in SUMMARISED:
+            ratios: list[tuple[int, float]] = []
+            for run in mine:
+                for name, real, sim, _ in rows(run.real, run.sim):
+                    if name == metric and real and sim is not None:
+                        ratios.append((run.seed, sim / real))
+            if not ratios:
+                lines.append(f"{policy:<18} {metric:<22} {'n/a':>18}")
+                continue
+            mean, half = interval([r for _, r in ratios])
+            within = sum(abs(r - 1) <= AGREEMENT for _, r in ratios)
+            missing = len(mine) - len(ratios)
+            per_seed = " ".join(f"{seed}:{r:.2f}" for seed, r in ratios)
+            lines.append(f"{policy:<18} {metric:<22} {mean:>9.3f} ± {half:<6.3f} "
+                         f"{within:>3}/{len(ratios):<3} {per_seed}"
+                         + (f" ({missing} without a ratio)" if missing else ""))
+    by_seed = {(r.policy, r.seed): r for r in runs}
+    seeds = sorted({r.seed for r in runs if ("lumen", r.seed) in by_seed
+                    and ("stop_and_restart", r.seed) in by_seed})
+    if len(seeds) >= 1:
+        lumen = [by_seed["lumen", s] for s in seeds]
+        restart = [by_seed["stop_and_restart", s] for s in seeds]
+        for side in ("real", "sim"):
+            mean, half = paired_ratio([getattr(x, side).ttft_s for x in lumen],
+                                      [getattr(x, side).ttft_s for x in restart])
+            lines.append(f"lumen / stop_and_restart mean TTFT, {side:<4} ({len(seeds)} seeds "
+                         f"paired): {mean:.3f} ± {half:.3f}")
+    return "\n".join(lines)
+
+
+def table(real: Side, sim: Side) -> str:
     lines = [f"{'metric':<22} {'real':>10} {'simulated':>10} {'sim / real':>10}",
              "-" * 55]
-    for name, r, s, unit in rows:
+    for name, r, s, unit in rows(real, sim):
         def fmt(v: float | None, unit: str = unit) -> str:
             if v is None:
                 return "never"
@@ -347,14 +412,36 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=8.0, help="sim engine slowdown")
     parser.add_argument("--restore-mbps", type=float, default=500.0,
                         help="checkpoint restore bandwidth over loopback, MB/s (simulator)")
-    parser.add_argument("--policy", choices=POLICIES, default=POLICIES[0],
-                        help="the cluster's mode and the simulator's policy")
+    parser.add_argument("--policy", choices=POLICIES, nargs="+", default=[POLICIES[0]],
+                        help="the cluster's mode and the simulator's policy (several: each "
+                        "seed runs under each)")
     parser.add_argument("--save", type=Path, default=None,
-                        help="write every request's times on both sides here (JSON)")
-    parser.add_argument("--seed", type=int, default=7)
+                        help="write every run's per-request times on both sides and its "
+                        "metrics here (JSON)")
+    parser.add_argument("--seed", type=int, nargs="+", default=[7],
+                        help="the trace's seeds (several: a summary over them follows)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the cluster's logs here (default: a temporary directory)")
     args = parser.parse_args()
+    runs: list[Validation] = []
+    saved: list[dict[str, object]] = []
+    for seed in args.seed:
+        for policy in args.policy:
+            one = argparse.Namespace(**{**vars(args), "seed": seed, "policy": policy})
+            run, record = validate(one)
+            runs.append(run)
+            saved.append(record)
+            if args.save is not None:  # after every run: a later one may fail
+                args.save.write_text(json.dumps({"runs": saved}))
+    if len(runs) > 1:
+        print(f"\nsummary over {len(runs)} runs (seeds {' '.join(map(str, args.seed))}; "
+              f"within = |sim / real - 1| <= {AGREEMENT:.0%}):")
+        print(summary(runs))
+
+
+def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
+    """One seed under one policy (args.seed, args.policy): the real run, then the simulated
+    one; prints its table and returns it with what --save writes."""
     prompt, output = tuple(args.prompt), tuple(args.output)
     requests = trace(args.seed, args.duration, args.rate, prompt, output)
     load_before = os.getloadavg()
@@ -362,7 +449,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lumen-validate-sim-") as tmp:
         print(f"  real: {len(requests)} requests over {args.duration:g} s, SIGKILL of "
               f"{VICTIM}'s engine at {args.fault_at:g} s ...", file=sys.stderr, flush=True)
-        real_run = run_real(requests, args, args.workdir or Path(tmp))
+        root = (Path(tmp) if args.workdir is None
+                else args.workdir / f"seed{args.seed}-{args.policy}")
+        root.mkdir(parents=True, exist_ok=True)
+        real_run = run_real(requests, args, root)
     real_wall = time.monotonic() - started
     load_after = os.getloadavg()
     fault, back = real_run.fault, real_run.back_after
@@ -376,10 +466,11 @@ def main() -> None:
     real = measure(real_served(real_run.outcomes), fault, args.warmup, back,
                    real_run.decisions)
     sim = measure(simulated, fault, args.warmup, reload_s)
-    if args.save is not None:
-        args.save.write_text(json.dumps({
-            "fault": fault, "real": [asdict(x) for x in real_served(real_run.outcomes)],
-            "simulated": [asdict(x) for x in simulated]}))
+    record: dict[str, object] = {
+        "seed": args.seed, "policy": args.policy, "fault": fault,
+        "metrics": {"real": asdict(real), "simulated": asdict(sim)},
+        "real": [asdict(x) for x in real_served(real_run.outcomes)],
+        "simulated": [asdict(x) for x in simulated]}
     print(f"validation: {args.nodes} nodes x 1 {args.model} sim engine (time scale "
           f"{args.time_scale:g}), "
           f"policy {args.policy}, {len(requests)} requests (seed {args.seed}, Poisson "
@@ -403,6 +494,7 @@ def main() -> None:
     print(f"real run: {real_wall:.0f} s wall, {errors} errors, load average "
           f"{load_before[0]:.1f} before / {load_after[0]:.1f} after (1 min), "
           f"{os.cpu_count()} cores")
+    return Validation(args.seed, args.policy, real, sim), record
 
 
 if __name__ == "__main__":
