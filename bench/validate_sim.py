@@ -350,11 +350,9 @@ def summary(runs: Sequence[Validation]) -> str:
     for policy in dict.fromkeys(r.policy for r in runs):
         mine = [r for r in runs if r.policy == policy]
         for metric in SUMMARISED:
-            ratios: list[tuple[int, float]] = []
-            for run in mine:
-                for name, real, sim, _ in rows(run.real, run.sim):
-                    if name == metric and real and sim is not None:
-                        ratios.append((run.seed, sim / real))
+            ratios = [(run.seed, sim / real) for run in mine
+                      for name, real, sim, _ in rows(run.real, run.sim)
+                      if name == metric and real and sim is not None]
             if not ratios:
                 lines.append(f"{policy:<18} {metric:<22} {'n/a':>18}")
                 continue
@@ -368,7 +366,7 @@ def summary(runs: Sequence[Validation]) -> str:
     by_seed = {(r.policy, r.seed): r for r in runs}
     seeds = sorted({r.seed for r in runs if ("lumen", r.seed) in by_seed
                     and ("stop_and_restart", r.seed) in by_seed})
-    if len(seeds) >= 1:
+    if seeds:
         lumen = [by_seed["lumen", s] for s in seeds]
         restart = [by_seed["stop_and_restart", s] for s in seeds]
         for side in ("real", "sim"):

@@ -1,0 +1,49 @@
+"""bench/validate_sim.py's summary over seeds on a case with a known answer."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "validate_sim.py"
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("validate_sim", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["validate_sim"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_summary_gives_mean_ratios_counts_and_the_paired_ttft_ratio() -> None:
+    v = load_bench()
+
+    def side(ttft: float, recovery: float | None) -> object:
+        return v.Side(ttft_s=ttft, tpot_s=0.1, recovery_s=recovery, recovery_strict_s=60.0,
+                      interrupted=10, failure_free_ttft_s=0.5, completed=300,
+                      back_after_s=48.0)
+
+    runs = [
+        # sim / real TTFT 0.9 and 1.3: mean 1.1, one of two within 15%
+        v.Validation(1, "lumen", side(1.0, 50.0), side(0.9, 50.0)),
+        v.Validation(2, "lumen", side(1.0, 50.0), side(1.3, 50.0)),
+        # the simulated side never recovered in seed 2: one ratio, said so
+        v.Validation(1, "stop_and_restart", side(2.0, 50.0), side(2.0, 60.0)),
+        v.Validation(2, "stop_and_restart", side(4.0, 50.0), side(2.6, None)),
+    ]
+    lines = v.summary(runs).splitlines()
+    ttft = next(line for line in lines if line.startswith("lumen ") and "mean TTFT" in line)
+    assert "1.100 ±" in ttft and "1/2" in ttft and "1:0.90 2:1.30" in ttft
+    recovery = next(line for line in lines if line.startswith("stop_and_restart")
+                    and "recovery time (50%)" in line)
+    assert "1.200 ± 0.000" in recovery and "0/1" in recovery  # 1.2 is outside 15%
+    assert "(1 without a ratio)" in recovery
+    # lumen / stop_and_restart real TTFT: 1.0/2.0 and 1.0/4.0 -> mean 0.375
+    real = next(line for line in lines if "stop_and_restart mean TTFT, real" in line)
+    assert "(2 seeds paired): 0.375" in real
+    sim = next(line for line in lines if "stop_and_restart mean TTFT, sim" in line)
+    assert "(2 seeds paired): 0.475" in sim  # 0.9/2.0 = 0.45, 1.3/2.6 = 0.5
