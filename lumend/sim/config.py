@@ -12,12 +12,12 @@ from lumend.engine.costmodel import CostModel, load_cost_model
 
 class FaultKind(StrEnum):
     none = "none"
-    worker = "worker"          # the engine of one worker (index 0) crashes
+    worker = "worker"          # the engine of one worker (FaultSpec.worker) crashes
     fraction = "fraction"      # the engines of a seeded random fraction of the workers crash
-    node = "node"              # node 0 is lost: its workers, their host memory, its shadows
-    correlated = "correlated"  # worker 0 and the worker holding most of its checkpoints are
-    #                            lost with their host memory (e.g. a shared power domain)
-    gray = "gray"              # worker 0 keeps running, slowed down by a factor
+    node = "node"              # that worker's node is lost: its workers, host memory, shadows
+    correlated = "correlated"  # that worker and the worker holding most of its checkpoints
+    #                            are lost with their host memory (e.g. a shared power domain)
+    gray = "gray"              # that worker keeps running, slowed down by a factor
 
     @property
     def host_lost(self) -> bool:
@@ -36,8 +36,14 @@ class FaultSpec:
     fraction: float = 0.25
     slowdown: float = 3.0
     gray_duration_s: float | None = None  # None: slowed until the end of the run
+    # The worker the fault hits (all kinds but `fraction`). Which one matters where the
+    # workers are otherwise alike: admission breaks ties by index, so the lowest index gets
+    # more of the requests (the validation gives the real victim's place among the names).
+    worker: int = 0
 
     def __post_init__(self) -> None:
+        if self.worker < 0:
+            raise ValueError(f"fault worker must be an index >= 0, got {self.worker}")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fail fraction must be in (0, 1], got {self.fraction}")
         if self.slowdown < 1:
@@ -117,6 +123,9 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"need at least one worker, got {self.workers}")
+        if self.fault.worker >= self.workers:
+            raise ValueError(f"fault worker {self.fault.worker} is not one of the "
+                             f"{self.workers} workers (0-{self.workers - 1})")
         if self.chunk_tokens < 1 or self.max_batch < 1 or self.block_tokens < 1:
             raise ValueError("chunk_tokens, max_batch and block_tokens must be >= 1")
         if not 0 <= self.spec_acceptance < 1:

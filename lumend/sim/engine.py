@@ -219,6 +219,9 @@ class FaultRecord:
     host_lost: bool = False
     detected_at: float | None = None
     back_at: float | None = None  # when the failed workers serve again (shadow or reload)
+    # Requests on the failed workers at the fault (running, queued or restoring): the
+    # streams a gateway sees break, whether or not they had a first token yet.
+    cut_off: int = 0
 
 
 @dataclass(slots=True)
@@ -756,28 +759,29 @@ class Simulation:
     def _fault(self, now: float) -> None:
         spec = self.cfg.fault
         n = len(self.workers)
+        hit = spec.worker
         if spec.kind is FaultKind.gray:
-            w = self.workers[0]
+            w = self.workers[hit]
             self._set_rate(w, now, speed=1.0 / spec.slowdown)
             if spec.gray_duration_s is not None:
                 self._push(now + spec.gray_duration_s, EV_GRAY_END, w)
-            self.fault = FaultRecord(now, [], [0], self._holder_balance())
+            self.fault = FaultRecord(now, [], [hit], self._holder_balance())
             return
         if spec.kind is FaultKind.worker:
-            failed = [0]
+            failed = [hit]
         elif spec.kind is FaultKind.node:
-            failed = [w.idx for w in self.workers if w.node == self.workers[0].node]
+            failed = [w.idx for w in self.workers if w.node == self.workers[hit].node]
         elif spec.kind is FaultKind.correlated:
-            failed = [0]
+            failed = [hit]
             holders = [0] * n
             for w in self.workers:
                 for r in w.held:
-                    if r.worker == 0:
+                    if r.worker == hit:
                         holders[w.idx] += 1
             if max(holders) > 0:
                 failed.append(holders.index(max(holders)))
             elif n > 1:
-                failed.append(1)
+                failed.append((hit + 1) % n)
         else:
             k = min(n, max(1, round(spec.fraction * n)))
             failed = sorted(random.Random(self.cfg.seed).sample(range(n), k))
@@ -792,6 +796,7 @@ class Simulation:
             interrupted.extend(out)
             for r in out:
                 egress_lost[r] = lost_each
+        self.fault.cut_off = len(interrupted)
         self._checkpoint_at_fault(interrupted, egress_lost, set(failed) if host_lost else set(),
                                   now)
         self.track_links = False

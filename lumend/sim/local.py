@@ -49,10 +49,12 @@ def restart_seconds(model: SimModel, time_scale: float, process_start_s: float) 
 def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
                          fault_at_s: float, restore_bytes_per_s: float,
                          process_start_s: float, request_overhead_s: float = 0.0,
-                         budget_bytes: float = GIB,
+                         victim: int = 0, budget_bytes: float = GIB,
                          base: SimConfig | None = None) -> SimConfig:
     """A SimConfig of `workers` one-engine nodes running sim engines of `model_name` at
-    `time_scale`, the first one's engine SIGKILLed at `fault_at_s` (no shadows). Restores
+    `time_scale`, worker `victim`'s engine SIGKILLed at `fault_at_s` (no shadows). The
+    workers are in the coordinator's order (by name), so that admission's ties go where
+    they go on the cluster: `victim` is the killed worker's place in that order. Restores
     run beside the engine, as the sim engine loads pages before it queues the request.
     `request_overhead_s`: the measured time from a client's send until the engine's
     scheduler has the request (HTTP, the gateway, tokenization), which no step cost has."""
@@ -69,5 +71,5 @@ def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
         request_overhead_s=request_overhead_s,
         restore_bytes_per_s=restore_bytes_per_s, restore_async=True,
         reload_s=restart_seconds(model, time_scale, process_start_s), shadows=False,
-        fault=FaultSpec(kind=FaultKind.worker, at_s=fault_at_s),
+        fault=FaultSpec(kind=FaultKind.worker, at_s=fault_at_s, worker=victim),
     )

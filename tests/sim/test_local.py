@@ -183,3 +183,26 @@ def test_under_kv_pressure_the_simulator_follows_the_engines_kv_rule() -> None:
         mean = sum(r.finish for r in result.requests) / len(result.requests)
         assert (mean == pytest.approx(engine_mean, rel=0.02)) is agrees
         assert (result.preemptions == 0) is agrees
+
+
+def test_the_fault_hits_the_named_worker_and_counts_every_stream_it_cut_off() -> None:
+    # 21 requests that all run past the fault on two workers: admission alternates and
+    # breaks the ties by index, so worker 0 holds 11 and worker 1 holds 10. The last one
+    # arrives just before the fault and has no first token yet: the gateway still sees its
+    # stream break, and it counts.
+    requests = [(0.01 * i, 1000, 400) for i in range(20)] + [(3.99, 1400, 400)]
+    workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
+    held = {}
+    for victim in (0, 1):
+        cfg = local_cluster_config("sim-small", SCALE, 2, fault_at_s=4.0,
+                                   restore_bytes_per_s=5e8, process_start_s=1.0,
+                                   victim=victim)
+        result = simulate(workload, apply_policy(cfg, "stop_and_restart"))
+        assert result.fault is not None and result.fault.failed == [victim]
+        with_token = sum(r.interrupted_at >= 0 for r in result.requests)
+        held[victim] = result.fault.cut_off
+        assert result.fault.cut_off == with_token + (victim == 0)
+    assert held == {0: 11, 1: 10}
+    with pytest.raises(ValueError, match="fault worker 2 is not one of the 2 workers"):
+        local_cluster_config("sim-small", SCALE, 2, fault_at_s=2.0, restore_bytes_per_s=5e8,
+                             process_start_s=1.0, victim=2)
