@@ -9,17 +9,17 @@ sim`'s engine set up as those sim engines (`lumend.sim.local`: the sim engine's 
 formula and coefficients x time scale, its prefill chunk, batch and KV limits, its restart),
 the same fault at the moment the real kill happened, the same policy.
 
-Both sides are measured by the same functions: mean TTFT and mean TPOT over every completed
-request (TPOT per request: first to last token over its tokens - 1), the recovery time
-(`recovery_s`), the interrupted streams (real: the recovery decisions the gateways logged;
-simulated: the requests on the killed worker, first token or not) and the failure-free
-TTFT (requests sent after --warmup and at least 5 s before the fault). What the cost model does not know is
-measured on the real cluster and given to the simulator, and the output says so: the
-restarted engine's process start (kill-to-serving minus the model's initialisation) and
-the serving overhead per request (a lone request's TTFT through a gateway minus the
-model's). Asserts nothing; prints the table, how far the sim engines fell behind their
-cost model, and the load average (2 shared cores: the real side's timing is the
-machine's too).
+Both sides are measured by the same functions: mean TTFT and mean TPOT over every
+completed request (TPOT per request: first to last token over its tokens - 1), the
+recovery time (`recovery_s`), the interrupted streams (real: the recovery decisions the
+gateways logged; simulated: the requests on the killed worker, first token or not) and the
+failure-free TTFT (requests sent after --warmup and at least 5 s before the fault). What
+the cost model does not know is measured on the real cluster and given to the simulator,
+and the output says so: the restarted engine's process start (kill-to-serving minus the
+model's initialisation) and the serving overhead per request (a lone request's TTFT
+through a gateway minus the model's). Asserts nothing; prints the table, how far the sim
+engines fell behind their cost model, and the load average (2 shared cores: the real
+side's timing is the machine's too).
 
 Several seeds and policies run one after another (each seed's trace under each policy, a
 fresh cluster per run), and then a summary: per policy and metric the mean simulated /
