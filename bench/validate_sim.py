@@ -29,6 +29,7 @@ real ratio over the seeds with its 95% Student-t interval and how many runs were
     python bench/validate_sim.py [--model sim-medium] [--nodes 2] [--rate 2.5]
         [--duration 150] [--fault-at 45] [--warmup 20] [--time-scale 8]
         [--policy lumen [stop_and_restart ...]] [--seed 7 [11 ...]] [--save F.json]
+    python bench/validate_sim.py --resimulate F.json   # the simulated side again, no cluster
 
 Needs the etcd binary. About 4.5 minutes per run with the defaults.
 """
@@ -288,13 +289,17 @@ def victim_index(nodes: int) -> int:
     return names.index(VICTIM)
 
 
-def run_sim(outcomes: Sequence[Outcome], fault: float, process_start_s: float,
+def sent_requests(outcomes: Sequence[Outcome]) -> list[tuple[float, int, int]]:
+    """(sent at, prompt tokens, output tokens) of every request the real run sent."""
+    return sorted((o.sent_at, len(o.request.prompt), o.request.max_tokens) for o in outcomes)
+
+
+def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, process_start_s: float,
             overhead_s: float, args: argparse.Namespace) -> tuple[list[Served], float, int]:
-    """The same requests, arriving when the real ones were sent; the fault at the real
-    kill's moment on the real victim's worker. Returns the requests served, the restart
-    and how many requests the fault cut off (on the killed worker, first token or not, as
-    the gateways count them)."""
-    sent = sorted((o.sent_at, len(o.request.prompt), o.request.max_tokens) for o in outcomes)
+    """The same requests (`sent_requests`), arriving when the real ones were sent; the
+    fault at the real kill's moment on the real victim's worker. Returns the requests
+    served, the restart and how many requests the fault cut off (on the killed worker,
+    first token or not, as the gateways count them)."""
     workload = Workload([s[0] for s in sent], [s[1] for s in sent], [s[2] for s in sent])
     cfg = local_cluster_config(args.model, args.time_scale, args.nodes, fault_at_s=fault,
                                restore_bytes_per_s=args.restore_mbps * 1e6,
@@ -432,7 +437,13 @@ def main() -> None:
                         help="the trace's seeds (several: a summary over them follows)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the cluster's logs here (default: a temporary directory)")
+    parser.add_argument("--resimulate", type=Path, default=None, metavar="SAVED.json",
+                        help="no cluster: simulate again the real runs a --save wrote (after "
+                        "a change to the simulator) and compare with their real side")
     args = parser.parse_args()
+    if args.resimulate is not None:
+        resimulate(args.resimulate)
+        return
     runs: list[Validation] = []
     saved: list[dict[str, object]] = []
     for seed in args.seed:
@@ -446,6 +457,40 @@ def main() -> None:
     if len(runs) > 1:
         print(f"\nsummary over {len(runs)} runs (seeds {' '.join(map(str, args.seed))}; "
               f"within = |sim / real - 1| <= {AGREEMENT:.0%}):")
+        print(summary(runs))
+
+
+# What a simulation needs of the command line, saved with each run for --resimulate.
+SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup")
+
+
+def resimulate(path: Path) -> None:
+    """The simulated side of every run in `path` (a --save file) again, with the
+    simulator as it is now, against the real side measured then."""
+    try:
+        saved = json.loads(path.read_text())["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{path}: not a file --save wrote ({exc}); run the bench with "
+                         "--save FILE first") from None
+    runs = []
+    for record in saved:
+        missing = [k for k in ("settings", "given", "sent") if k not in record]
+        if missing:
+            raise SystemExit(f"{path}: seed {record.get('seed')} has no {', '.join(missing)} "
+                             "(saved by an older bench): run it again with --save")
+        args = argparse.Namespace(**record["settings"], policy=record["policy"])
+        given, fault = record["given"], record["fault"]
+        simulated, reload_s, cut_off = run_sim([tuple(x) for x in record["sent"]], fault,
+                                               given["process_start_s"],
+                                               given["overhead_s"], args)
+        real = Side(**record["metrics"]["real"])
+        sim = measure(simulated, fault, args.warmup, reload_s, cut_off)
+        print(f"seed {record['seed']}, policy {record['policy']} (real side as saved):")
+        print(table(real, sim))
+        runs.append(Validation(record["seed"], record["policy"], real, sim))
+    if len(runs) > 1:
+        print(f"\nsummary over {len(runs)} runs (within = |sim / real - 1| <= "
+              f"{AGREEMENT:.0%}):")
         print(summary(runs))
 
 
@@ -472,13 +517,16 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     probe_tokens = PROBE_TOKENS + len("probe 00 ")
     modelled_lone = lone_ttft_s(args.model, probe_tokens, args.time_scale)
     overhead = max(0.0, real_run.idle_ttft_gateway_s - modelled_lone)
-    simulated, reload_s, cut_off = run_sim(real_run.outcomes, fault, process_start, overhead,
-                                           args)
+    sent = sent_requests(real_run.outcomes)
+    simulated, reload_s, cut_off = run_sim(sent, fault, process_start, overhead, args)
     real = measure(real_served(real_run.outcomes), fault, args.warmup, back,
                    real_run.decisions)
     sim = measure(simulated, fault, args.warmup, reload_s, cut_off)
     record: dict[str, object] = {
         "seed": args.seed, "policy": args.policy, "fault": fault,
+        "settings": {name: getattr(args, name) for name in SETTINGS},
+        "given": {"process_start_s": process_start, "overhead_s": overhead},
+        "sent": sent,
         "metrics": {"real": asdict(real), "simulated": asdict(sim)},
         "real": [asdict(x) for x in real_served(real_run.outcomes)],
         "simulated": [asdict(x) for x in simulated]}

@@ -71,8 +71,9 @@ class SimConfig:
     max_batch: int = 256
     kv_capacity_tokens: int | None = None  # None: from GPU memory and model size
     # vLLM: a step's new tokens need free KV, else the newest sequence is preempted and
-    # recomputed. False: the sim engine's rule: a prompt is admitted when it fits in the free
-    # KV, running sequences then grow past the pool and nobody is preempted.
+    # recomputed. False: the sim engine's rule: a prompt is admitted when all of its blocks
+    # and one more are free (whole blocks per sequence; an admitted prompt's unprefilled
+    # rest counts as used), running sequences then grow past the pool, nobody is preempted.
     kv_preemption: bool = True
     block_tokens: int = 16
     # Serving overhead before the scheduler sees a request (API server, tokenization, the

@@ -536,8 +536,28 @@ class Simulation:
         prefill = 0
         load = 0.0
         max_batch = self.max_batch
+        engine_rule = not self.kv_preemption
+        if engine_rule:
+            free_blocks = self._free_blocks(w)
         for r in w.queue:
-            if budget <= 0 or seqs >= max_batch or free < 1:
+            if budget <= 0 or seqs >= max_batch:
+                break
+            if engine_rule and not r.load_bytes:
+                # The sim engine's rule: a prompt is admitted once all of its blocks and
+                # one more are free (counted per sequence, in whole blocks, its unprefilled
+                # rest included); an admitted one then prefills whatever the KV holds.
+                if r.ctx == 0:
+                    need = -(-r.todo // self.cfg.block_tokens)
+                    if need + 1 > free_blocks:
+                        break
+                    free_blocks -= need
+                take = min(r.todo, budget)
+                chunks.append((r, take))
+                budget -= take
+                prefill += take
+                seqs += 1
+                continue
+            if free < 1:
                 break
             if r.load_bytes:
                 # A resumed request's pages load inside the step that schedules it (the
@@ -640,6 +660,16 @@ class Simulation:
             self._stream(w, now, produced * self.stream_kvb, last)
         w.state = IDLE
         self._plan(w, now)
+
+    def _free_blocks(self, w: Worker) -> int:
+        """KV blocks free by the sim engine's count: the pool less every admitted
+        sequence's context in whole blocks, a prefilling one's whole prompt included."""
+        block = self.cfg.block_tokens
+        steps, gain = w.steps, w.gain
+        used = sum(-(-int(r.ctx_join + (steps - r.join_step) * gain) // block)
+                   for _, _, r in w.running)
+        used += sum(-(-int(r.ctx + r.todo) // block) for r in w.queue if r.ctx > 0)
+        return int(w.kv_cap) // block - used
 
     def _advance(self, w: Worker, k: int) -> None:
         grow = k * len(w.running) * w.gain

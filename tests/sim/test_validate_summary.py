@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "validate_sim.py"
 
 
@@ -47,3 +49,33 @@ def test_the_summary_gives_mean_ratios_counts_and_the_paired_ttft_ratio() -> Non
     assert "(2 seeds paired): 0.375" in real
     sim = next(line for line in lines if "stop_and_restart mean TTFT, sim" in line)
     assert "(2 seeds paired): 0.475" in sim  # 0.9/2.0 = 0.45, 1.3/2.6 = 0.5
+
+
+def test_resimulate_runs_the_saved_requests_again_and_refuses_an_older_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    v = load_bench()
+    # Two workers, 40 requests over 20 s, the victim's engine killed at 10 s.
+    sent = [[0.5 * i, 800, 40] for i in range(40)]
+    real = v.Side(ttft_s=1.0, tpot_s=0.1, recovery_s=5.0, recovery_strict_s=8.0,
+                  interrupted=4, failure_free_ttft_s=0.5, completed=40, back_after_s=49.0)
+    record = {"seed": 3, "policy": "stop_and_restart", "fault": 10.0,
+              "settings": {"model": "sim-medium", "nodes": 2, "time_scale": 8.0,
+                           "restore_mbps": 500.0, "warmup": 2.0},
+              "given": {"process_start_s": 1.0, "overhead_s": 0.01}, "sent": sent,
+              "metrics": {"real": v.asdict(real)}}
+    saved = tmp_path / "runs.json"
+    saved.write_text(json.dumps({"runs": [record]}))
+    v.resimulate(saved)
+    out = capsys.readouterr().out
+    assert "seed 3, policy stop_and_restart" in out
+    completed = next(line for line in out.splitlines() if "requests completed" in line)
+    assert completed.split()[2:4] == ["40", "40"]  # real as saved, every request simulated
+    del record["given"]
+    saved.write_text(json.dumps({"runs": [record]}))
+    with pytest.raises(SystemExit, match=r"no given .*run it again with --save"):
+        v.resimulate(saved)
+    saved.write_text("not json")
+    with pytest.raises(SystemExit, match="not a file --save wrote"):
+        v.resimulate(saved)
