@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import statistics
@@ -464,12 +465,13 @@ def main() -> None:
 SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup")
 
 
-def resimulate(path: Path) -> None:
-    """The simulated side of every run in `path` (a --save file) again, with the
-    simulator as it is now, against the real side measured then."""
+def resimulate(path: Path) -> list[Validation]:
+    """The simulated side of every run in `path` (a --save file, or it gzipped) again, with
+    the simulator as it is now, against the real side measured then."""
     try:
-        saved = json.loads(path.read_text())["runs"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        data = path.read_bytes()
+        saved = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)["runs"]
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"{path}: not a file --save wrote ({exc}); run the bench with "
                          "--save FILE first") from None
     runs = []
@@ -492,6 +494,7 @@ def resimulate(path: Path) -> None:
         print(f"\nsummary over {len(runs)} runs (within = |sim / real - 1| <= "
               f"{AGREEMENT:.0%}):")
         print(summary(runs))
+    return runs
 
 
 def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:

@@ -1,8 +1,12 @@
-"""bench/validate_sim.py's summary over seeds on a case with a known answer."""
+"""bench/validate_sim.py: its summary over seeds on a case with a known answer, --resimulate,
+and the simulator against the real runs saved in bench/data."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -53,8 +57,6 @@ def test_the_summary_gives_mean_ratios_counts_and_the_paired_ttft_ratio() -> Non
 
 def test_resimulate_runs_the_saved_requests_again_and_refuses_an_older_file(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
     v = load_bench()
     # Two workers, 40 requests over 20 s, the victim's engine killed at 10 s.
     sent = [[0.5 * i, 800, 40] for i in range(40)]
@@ -79,3 +81,22 @@ def test_resimulate_runs_the_saved_requests_again_and_refuses_an_older_file(
     saved.write_text("not json")
     with pytest.raises(SystemExit, match="not a file --save wrote"):
         v.resimulate(saved)
+
+
+def test_the_simulator_still_agrees_with_the_saved_real_runs() -> None:
+    # Ten real runs of the local cluster (bench/data, 2026-12-06: seeds 7 11 13 17 19,
+    # lumen and stop-and-restart; the real side is frozen, the simulator deterministic):
+    # a change to the simulator that takes it away from what the cluster did fails here.
+    # Recovery is judged on the mean over runs: one run's is a threshold crossing that one
+    # burst of arrivals decides (docs/simulator.md, Validation).
+    v = load_bench()
+    saved = BENCH.parent / "data" / "validation-2026-12-06.json.gz"
+    with contextlib.redirect_stdout(io.StringIO()):
+        runs = v.resimulate(saved)
+    assert len(runs) == 10
+    for run in runs:
+        for name, real, sim, _ in v.rows(run.real, run.sim):
+            if name in ("mean TTFT", "mean TPOT", "requests interrupted"):
+                assert abs(sim / real - 1) <= v.AGREEMENT, (run.seed, run.policy, name)
+    recovery = [run.sim.recovery_s / run.real.recovery_s for run in runs]
+    assert abs(sum(recovery) / len(recovery) - 1) <= v.AGREEMENT
