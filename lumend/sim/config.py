@@ -75,6 +75,11 @@ class SimConfig:
     # and one more are free (whole blocks per sequence; an admitted prompt's unprefilled
     # rest counts as used), running sequences then grow past the pool, nobody is preempted.
     kv_preemption: bool = True
+    # The sim engine's step charges a request whose last prompt chunk it runs as one
+    # decoding sequence too (d, and its context in e's C: that step yields its first
+    # token); vLLM's cost model counts that chunk as prefill only (False). Applies with the
+    # sim engine's KV rule (kv_preemption = False).
+    prefill_end_decodes: bool = False
     block_tokens: int = 16
     # Serving overhead before the scheduler sees a request (API server, tokenization, the
     # gateway's admission): 0 in the GPU scenarios; the local-cluster validation measures it.

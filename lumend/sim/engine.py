@@ -311,6 +311,7 @@ class Simulation:
         self.ck_bw = cfg.link_bytes_per_s
         self.chunk_tokens, self.max_batch = cfg.chunk_tokens, cfg.max_batch
         self.kv_preemption = cfg.kv_preemption
+        self.prefill_end_decodes = cfg.prefill_end_decodes
         # Eq. 4 weights, for _touch's inline L_hat (tests check it against policy.loads).
         self.alpha, self.beta = self.pcfg.alpha, self.pcfg.beta
 
@@ -539,6 +540,7 @@ class Simulation:
         engine_rule = not self.kv_preemption
         if engine_rule:
             free_blocks = self._free_blocks(w)
+        ending = ending_ctx = 0.0  # prompts whose last chunk this step runs, their context
         for r in w.queue:
             if budget <= 0 or seqs >= max_batch:
                 break
@@ -556,6 +558,9 @@ class Simulation:
                 budget -= take
                 prefill += take
                 seqs += 1
+                if take == r.todo:
+                    ending += 1
+                    ending_ctx += r.ctx + take
                 continue
             if free < 1:
                 break
@@ -584,8 +589,10 @@ class Simulation:
         if chunks:
             w.chunks = chunks
             w.state = STEP
-            dt = (self.a + self.b * prefill + self.c * prefill * prefill + self.d * nrun
-                  + self.e * w.ctx_sum) / w.speed
+            if not self.prefill_end_decodes:
+                ending = ending_ctx = 0.0
+            dt = (self.a + self.b * prefill + self.c * prefill * prefill
+                  + self.d * (nrun + ending) + self.e * (w.ctx_sum + ending_ctx)) / w.speed
             if load:
                 dt += load / self.cfg.restore_bytes_per_s
             if nrun and w.assisted_by >= 0:
