@@ -84,19 +84,27 @@ def test_resimulate_runs_the_saved_requests_again_and_refuses_an_older_file(
 
 
 def test_the_simulator_still_agrees_with_the_saved_real_runs() -> None:
-    # Ten real runs of the local cluster (bench/data, 2026-12-06: seeds 7 11 13 17 19,
-    # lumen and stop-and-restart; the real side is frozen, the simulator deterministic):
-    # a change to the simulator that takes it away from what the cluster did fails here.
-    # Recovery is judged on the mean over runs: one run's is a threshold crossing that one
-    # burst of arrivals decides (docs/simulator.md, Validation).
+    # Sixteen real runs of the local cluster (bench/data, 2026-12-06: seeds 7 11 13 17 19,
+    # then 23 29 31 held out while the simulator was being fixed; lumen and
+    # stop-and-restart; the real side is frozen, the simulator deterministic): a change to
+    # the simulator that takes it away from what the cluster did fails here. Interrupted
+    # streams are a count of ~10, within 15% or two streams; recovery is judged on the mean
+    # over runs: one run's is a threshold crossing that one burst of arrivals decides
+    # (docs/simulator.md, Validation). Mean TTFT is held to 10%, tighter than the issue's
+    # 15%: every run is within 8% now, and with the victim placed first (the fault on the
+    # worker the admission ties favour, not the real victim) seed 17 is 11% off.
     v = load_bench()
     saved = BENCH.parent / "data" / "validation-2026-12-06.json.gz"
     with contextlib.redirect_stdout(io.StringIO()):
         runs = v.resimulate(saved)
-    assert len(runs) == 10
+    assert len(runs) == 16
     for run in runs:
-        for name, real, sim, _ in v.rows(run.real, run.sim):
-            if name in ("mean TTFT", "mean TPOT", "requests interrupted"):
-                assert abs(sim / real - 1) <= v.AGREEMENT, (run.seed, run.policy, name)
-    recovery = [run.sim.recovery_s / run.real.recovery_s for run in runs]
+        where = (run.seed, run.policy)
+        assert abs(run.sim.ttft_s / run.real.ttft_s - 1) <= 0.10, where
+        assert abs(run.sim.tpot_s / run.real.tpot_s - 1) <= v.AGREEMENT, where
+        assert abs(run.sim.interrupted - run.real.interrupted) <= max(
+            2, v.AGREEMENT * run.real.interrupted), where
+    recovery = [run.sim.recovery_s / run.real.recovery_s for run in runs
+                if run.sim.recovery_s is not None and run.real.recovery_s]
+    assert len(recovery) == len(runs)
     assert abs(sum(recovery) / len(recovery) - 1) <= v.AGREEMENT
