@@ -77,8 +77,7 @@ class SimConfig:
     kv_preemption: bool = True
     # The sim engine's step charges a request whose last prompt chunk it runs as one
     # decoding sequence too (d, and its context in e's C: that step yields its first
-    # token); vLLM's cost model counts that chunk as prefill only (False). Applies with the
-    # sim engine's KV rule (kv_preemption = False).
+    # token); vLLM's cost model counts that chunk as prefill only (False).
     prefill_end_decodes: bool = False
     block_tokens: int = 16
     # Serving overhead before the scheduler sees a request (API server, tokenization, the

@@ -554,37 +554,29 @@ class Simulation:
                         break
                     free_blocks -= need
                 take = min(r.todo, budget)
-                chunks.append((r, take))
-                budget -= take
-                prefill += take
-                seqs += 1
-                if take == r.todo:
-                    ending += 1
-                    ending_ctx += r.ctx + take
-                continue
-            if free < 1:
-                break
-            if r.load_bytes:
-                # A resumed request's pages load inside the step that schedules it (the
-                # connector's start_load_kv is synchronous): the whole batch waits.
-                if r.ctx + 1 > free:  # no room for its pages: recompute them instead
-                    r.todo += int(r.ctx)
-                    r.ctx = 0.0
-                else:
-                    load += r.load_bytes
-                    free -= r.ctx
-                    w.kv_used += r.ctx
-                r.load_bytes = 0.0
-            take = r.todo
-            if take > budget:
-                take = budget
-            if take > free:
-                take = int(free)
+            else:
+                if free < 1:
+                    break
+                if r.load_bytes:
+                    # A resumed request's pages load inside the step that schedules it (the
+                    # connector's start_load_kv is synchronous): the whole batch waits.
+                    if r.ctx + 1 > free:  # no room for its pages: recompute them instead
+                        r.todo += int(r.ctx)
+                        r.ctx = 0.0
+                    else:
+                        load += r.load_bytes
+                        free -= r.ctx
+                        w.kv_used += r.ctx
+                    r.load_bytes = 0.0
+                take = min(r.todo, budget, int(free))
+                free -= take
             chunks.append((r, take))
             budget -= take
-            free -= take
             prefill += take
             seqs += 1
+            if take == r.todo:
+                ending += 1
+                ending_ctx += r.ctx + take
         w.t0 = now
         if chunks:
             w.chunks = chunks
