@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ from lumend.engine.costmodel import StepCoefficients
 from lumend.engine.sim_core import Scheduler, SimRequest, StepClock, StepCost, StepOutput
 from lumend.engine.sim_models import sim_model
 from lumend.sim.config import FaultKind, FaultSpec, apply_policy
-from lumend.sim.engine import simulate
+from lumend.sim.engine import SimResult, simulate
 from lumend.sim.local import local_cluster_config, sim_engine_cost
 from lumend.sim.workload import Workload
 
@@ -47,14 +48,18 @@ def engine_times(requests: list[tuple[float, int, int]], scale: float = SCALE
     return [(t[0], t[-1]) for t in times]
 
 
-def simulator_times(requests: list[tuple[float, int, int]], scale: float = SCALE,
-                    workers: int = 1) -> list[tuple[float, float]]:
-    cfg = local_cluster_config("sim-small", scale, workers, fault_at_s=0.0,
+def simulated(requests: list[tuple[float, int, int]], **changes: Any) -> SimResult:
+    """`requests` through the simulator set up as one sim-small engine (no fault), with
+    `changes` to its SimConfig (a rule to compare, or `request_overhead_s`)."""
+    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
                                restore_bytes_per_s=5e8, process_start_s=1.0)
-    cfg = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none)), "stop_and_restart")
+    cfg = replace(cfg, fault=FaultSpec(kind=FaultKind.none), **changes)
     workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
-    result = simulate(workload, cfg)
-    return [(r.first_token, r.finish) for r in result.requests]
+    return simulate(workload, apply_policy(cfg, "stop_and_restart"))
+
+
+def simulator_times(requests: list[tuple[float, int, int]]) -> list[tuple[float, float]]:
+    return [(r.first_token, r.finish) for r in simulated(requests).requests]
 
 
 def test_the_sim_engine_steps_with_the_simulators_formula() -> None:
@@ -71,18 +76,15 @@ def test_the_sim_engine_steps_with_the_simulators_formula() -> None:
 
 def test_one_request_takes_the_same_time_in_the_engine_and_the_simulator() -> None:
     engine = engine_times([(0.0, 1100, 40)])
-    simulated = simulator_times([(0.0, 1100, 40)])
-    (e_first, e_last), (s_first, s_last) = engine[0], simulated[0]
+    times = simulator_times([(0.0, 1100, 40)])
+    (e_first, e_last), (s_first, s_last) = engine[0], times[0]
     # The step that runs a prompt's last chunk is charged as the engine charges it: one
     # decoding sequence more (`prefill_end_decodes`). Without it the first token came
     # 0.2 ms x scale early per prompt.
     assert s_first == pytest.approx(e_first, abs=1e-9)
     assert s_last == pytest.approx(e_last, abs=1e-9)
-    plain = replace(local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
-                                         restore_bytes_per_s=5e8, process_start_s=1.0),
-                    fault=FaultSpec(kind=FaultKind.none), prefill_end_decodes=False)
-    result = simulate(Workload([0.0], [1100], [40]), apply_policy(plain, "stop_and_restart"))
-    assert result.requests[0].first_token < e_first - 1e-4  # negative control
+    plain = simulated([(0.0, 1100, 40)], prefill_end_decodes=False)
+    assert plain.requests[0].first_token < e_first - 1e-4  # negative control
 
 
 def test_a_trace_on_one_engine_gives_the_same_first_and_last_tokens() -> None:
@@ -90,8 +92,8 @@ def test_a_trace_on_one_engine_gives_the_same_first_and_last_tokens() -> None:
                 for r in trace(3, 20.0, 2.0, (300, 1400), (20, 80))]
     assert len(requests) > 20
     engine = engine_times(requests)
-    simulated = simulator_times(requests)
-    for (e_first, e_last), (s_first, s_last) in zip(engine, simulated, strict=True):
+    times = simulator_times(requests)
+    for (e_first, e_last), (s_first, s_last) in zip(engine, times, strict=True):
         assert s_first == pytest.approx(e_first, abs=1e-9)
         assert s_last == pytest.approx(e_last, abs=1e-9)
 
@@ -103,13 +105,8 @@ def test_counting_decode_tokens_against_the_budget_is_not_the_sim_engine() -> No
     # its first step, the simulator starts that step with the first.)
     requests = [(0.001 * i, 100, 400) for i in range(60)] + [(1.0, 2000, 4)]
     engine = engine_times(requests)[-1][0] - 1.0
-    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
-                               restore_bytes_per_s=5e8, process_start_s=1.0)
     for decode_in_budget, agrees in ((False, True), (True, False)):
-        run = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none),
-                                   decode_in_budget=decode_in_budget), "stop_and_restart")
-        workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
-        last = simulate(workload, run).requests[-1]
+        last = simulated(requests, decode_in_budget=decode_in_budget).requests[-1]
         ttft = last.first_token - last.arrival
         assert (ttft == pytest.approx(engine, rel=0.02)) is agrees
 
@@ -127,13 +124,8 @@ def test_under_overload_a_prompt_starts_when_the_engine_would_admit_it() -> None
     engine = engine_times(requests)
     engine_ttft = statistics.fmean(
         first - sent for (first, _), (sent, _, _) in zip(engine, requests, strict=True))
-    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
-                               restore_bytes_per_s=5e8, process_start_s=1.0)
-    workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
     for kv_preemption, agrees in ((False, True), (True, False)):
-        run = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none),
-                                   kv_preemption=kv_preemption), "stop_and_restart")
-        result = simulate(workload, run)
+        result = simulated(requests, kv_preemption=kv_preemption)
         ttft = statistics.fmean(r.first_token - r.arrival for r in result.requests)
         assert (ttft == pytest.approx(engine_ttft, rel=0.01)) is agrees
 
@@ -179,16 +171,12 @@ def test_the_step_clock_keeps_the_engines_own_work_inside_the_modelled_step() ->
 def test_the_serving_overhead_delays_each_request_before_the_scheduler() -> None:
     requests = [(0.0, 1100, 40), (5.0, 700, 10)]
     plain = simulator_times(requests)
-    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
-                               restore_bytes_per_s=5e8, process_start_s=1.0,
-                               request_overhead_s=0.05)
-    cfg = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none)), "stop_and_restart")
-    result = simulate(Workload(*(list(c) for c in zip(*requests, strict=True))), cfg)
+    result = simulated(requests, request_overhead_s=0.05)
     for r, (first, last) in zip(result.requests, plain, strict=True):
         assert r.first_token == pytest.approx(first + 0.05)
         assert r.finish == pytest.approx(last + 0.05)
     with pytest.raises(ValueError, match="request_overhead_s"):
-        replace(cfg, request_overhead_s=-1.0)
+        simulated(requests, request_overhead_s=-1.0)
 
 
 def test_under_kv_pressure_the_simulator_follows_the_engines_kv_rule() -> None:
@@ -198,13 +186,8 @@ def test_under_kv_pressure_the_simulator_follows_the_engines_kv_rule() -> None:
     requests = [(0.01 * i, 1400, 600) for i in range(40)]
     engine = engine_times(requests)
     engine_mean = sum(last for _, last in engine) / len(engine)
-    cfg = local_cluster_config("sim-small", SCALE, 1, fault_at_s=0.0,
-                               restore_bytes_per_s=5e8, process_start_s=1.0)
-    workload = Workload(*(list(column) for column in zip(*requests, strict=True)))
     for kv_preemption, agrees in ((False, True), (True, False)):
-        run = apply_policy(replace(cfg, fault=FaultSpec(kind=FaultKind.none),
-                                   kv_preemption=kv_preemption), "stop_and_restart")
-        result = simulate(workload, run)
+        result = simulated(requests, kv_preemption=kv_preemption)
         mean = sum(r.finish for r in result.requests) / len(result.requests)
         assert (mean == pytest.approx(engine_mean, rel=0.02)) is agrees
         assert (result.preemptions == 0) is agrees
