@@ -184,6 +184,12 @@ class RealRun:
     late_step_s: float  # time the engines fell behind that and gave up
     idle_ttft_direct_s: float  # a lone request straight to an engine
     idle_ttft_gateway_s: float  # the same through a gateway
+    # VICTIM's place among the workers in the coordinator's order (by name), which the
+    # simulator's workers follow: admission breaks ties by that order, and which worker the
+    # ties favour decides how many requests the killed one holds (seed 17,
+    # stop-and-restart: simulated TTFT 1.79 s with the victim first, 2.05 s with it second,
+    # as it was; real 2.05 s).
+    victim_index: int
 
 
 def engine_metric_sum(urls: Sequence[str], name: str) -> float:
@@ -259,7 +265,9 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
                    for e in w.engines if e.state == "active"]
         modelled = engine_metric_sum(engines, "lumen_sim_step_seconds_total")
         late = engine_metric_sum(engines, "lumen_sim_step_late_seconds_total")
-        return RealRun(run.outcomes, run.fault, back, routed, modelled, late, direct, through)
+        victim = sorted(read_view(cluster.endpoints, cluster.cluster).workers).index(VICTIM)
+        return RealRun(run.outcomes, run.fault, back, routed, modelled, late, direct, through,
+                       victim)
     finally:
         cluster.stop()
 
@@ -281,31 +289,23 @@ def lone_ttft_s(model_name: str, tokens: int, time_scale: float) -> float:
     return seconds * time_scale
 
 
-def victim_index(nodes: int) -> int:
-    """VICTIM's place among the workers in the coordinator's order (by name), which the
-    simulator's workers follow: admission breaks ties by that order, and which worker the
-    ties favour decides how many requests the killed one holds (seed 17, stop-and-restart:
-    simulated TTFT 1.79 s with the victim first, 2.05 s with it second, as it is; real 2.05)."""
-    names = sorted(f"node-{i + 1}-w0" for i in range(nodes))
-    return names.index(VICTIM)
-
-
 def sent_requests(outcomes: Sequence[Outcome]) -> list[tuple[float, int, int]]:
     """(sent at, prompt tokens, output tokens) of every request the real run sent."""
     return sorted((o.sent_at, len(o.request.prompt), o.request.max_tokens) for o in outcomes)
 
 
-def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, process_start_s: float,
-            overhead_s: float, args: argparse.Namespace) -> tuple[list[Served], float, int]:
+def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
+            process_start_s: float, overhead_s: float, args: argparse.Namespace
+            ) -> tuple[list[Served], float, int]:
     """The same requests (`sent_requests`), arriving when the real ones were sent; the
-    fault at the real kill's moment on the real victim's worker. Returns the requests
-    served, the restart and how many requests the fault cut off (on the killed worker,
-    first token or not, as the gateways count them)."""
+    fault at the real kill's moment on worker `victim` (`RealRun.victim_index`). Returns
+    the requests served, the restart and how many requests the fault cut off (on the
+    killed worker, first token or not, as the gateways count them)."""
     workload = Workload([s[0] for s in sent], [s[1] for s in sent], [s[2] for s in sent])
     cfg = local_cluster_config(args.model, args.time_scale, args.nodes, fault_at_s=fault,
                                restore_bytes_per_s=args.restore_mbps * 1e6,
                                process_start_s=process_start_s, request_overhead_s=overhead_s,
-                               victim=victim_index(args.nodes))
+                               victim=victim)
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)
     out = [Served(r.arrival, r.first_token, r.finish, r.output, r.interrupted_at >= 0)
@@ -480,12 +480,16 @@ def resimulate(path: Path) -> list[Validation]:
         if missing:
             raise SystemExit(f"{path}: seed {record.get('seed')} has no {', '.join(missing)} "
                              "(saved by an older bench): run it again with --save")
-        args = argparse.Namespace(**record["settings"], policy=record["policy"])
-        given, fault = record["given"], record["fault"]
-        simulated, reload_s, cut_off = run_sim([tuple(x) for x in record["sent"]], fault,
-                                               given["process_start_s"],
-                                               given["overhead_s"], args)
-        real = Side(**record["metrics"]["real"])
+        try:
+            args = argparse.Namespace(**record["settings"], policy=record["policy"])
+            given, fault = record["given"], record["fault"]
+            simulated, reload_s, cut_off = run_sim(
+                [tuple(x) for x in record["sent"]], fault, given["victim"],
+                given["process_start_s"], given["overhead_s"], args)
+            real = Side(**record["metrics"]["real"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"{path}: seed {record.get('seed')}: a malformed record "
+                             f"({type(exc).__name__}: {exc}); run it again with --save") from None
         sim = measure(simulated, fault, args.warmup, reload_s, cut_off)
         print(f"seed {record['seed']}, policy {record['policy']} (real side as saved):")
         print(table(real, sim))
@@ -521,14 +525,16 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     modelled_lone = lone_ttft_s(args.model, probe_tokens, args.time_scale)
     overhead = max(0.0, real_run.idle_ttft_gateway_s - modelled_lone)
     sent = sent_requests(real_run.outcomes)
-    simulated, reload_s, cut_off = run_sim(sent, fault, process_start, overhead, args)
+    simulated, reload_s, cut_off = run_sim(sent, fault, real_run.victim_index, process_start,
+                                           overhead, args)
     real = measure(real_served(real_run.outcomes), fault, args.warmup, back,
                    real_run.decisions)
     sim = measure(simulated, fault, args.warmup, reload_s, cut_off)
     record: dict[str, object] = {
         "seed": args.seed, "policy": args.policy, "fault": fault,
         "settings": {name: getattr(args, name) for name in SETTINGS},
-        "given": {"process_start_s": process_start, "overhead_s": overhead},
+        "given": {"process_start_s": process_start, "overhead_s": overhead,
+                  "victim": real_run.victim_index},
         "sent": sent,
         "metrics": {"real": asdict(real), "simulated": asdict(sim)},
         "real": [asdict(x) for x in real_served(real_run.outcomes)],
