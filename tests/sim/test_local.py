@@ -211,6 +211,8 @@ def test_the_fault_hits_the_named_worker_and_counts_every_stream_it_cut_off() ->
         held[victim] = result.fault.cut_off
         assert result.fault.cut_off == with_token + (victim == 0)
     assert held == {0: 11, 1: 10}
+    with pytest.raises(ValueError, match="fault worker must be an index >= 0, got -1"):
+        FaultSpec(kind=FaultKind.worker, worker=-1)
     with pytest.raises(ValueError, match="fault worker 2 is not one of the 2 workers"):
         local_cluster_config("sim-small", SCALE, 2, fault_at_s=2.0, restore_bytes_per_s=5e8,
                              process_start_s=1.0, victim=2)
