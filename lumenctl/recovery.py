@@ -102,10 +102,10 @@ def trace(seed: int, duration_s: float, rate: float, prompt: tuple[int, int],
 
 
 class Replay:
-    """The trace through the gateways, the fault at `fault_at`; `outcomes` fill in live
-    (times relative to `start`), so a watcher can show them while it runs."""
+    """The trace through the gateways, the fault at `fault_at` (None: no fault); `outcomes`
+    fill in live (times relative to `start`), so a watcher can show them while it runs."""
 
-    def __init__(self, cluster: LocalCluster, requests: list[Request], fault_at: float,
+    def __init__(self, cluster: LocalCluster, requests: list[Request], fault_at: float | None,
                  victim: str) -> None:
         self.cluster, self.requests = cluster, requests
         self.fault_at, self.victim = fault_at, victim
@@ -129,10 +129,11 @@ class Replay:
 
             watcher: asyncio.Task[None] | None = (
                 asyncio.create_task(watch(self)) if watch is not None else None)
-            fault = asyncio.create_task(self._fault())
+            fault = asyncio.create_task(self._fault()) if self.fault_at is not None else None
             try:
                 await asyncio.gather(*(later(i, r) for i, r in enumerate(self.requests)))
-                await fault
+                if fault is not None:
+                    await fault
             finally:
                 for task in (fault, watcher):
                     if task is not None and not task.done():
@@ -140,6 +141,7 @@ class Replay:
                         await asyncio.gather(task, return_exceptions=True)
 
     async def _fault(self) -> None:
+        assert self.fault_at is not None
         await asyncio.sleep(max(0.0, self.fault_at - self.now()))
         view = await asyncio.to_thread(read_view, self.cluster.endpoints, self.cluster.cluster)
         pid = next(e.pid for e in view.workers[self.victim].engines if e.role == "active")

@@ -266,6 +266,13 @@ class GatewayCollector(Collector):
         for worker, n in sorted(self._gateway.in_flight.items()):
             streams.add_metric([worker], n)
         yield streams
+        opened = CounterMetricFamily(
+            "lumen_gateway_streams_opened", "Engine streams this gateway has opened, by worker "
+            "(resumes included): where the traffic went, however short the streams.",
+            labels=["worker"])
+        for worker, n in sorted(self._gateway.opened.items()):
+            opened.add_metric([worker], n)
+        yield opened
         yield CounterMetricFamily(
             "lumen_gateway_restarts", "Resumes recomputed from the request's start (guided "
             "decoding, or no clean text boundary), skipping what the client had.",

@@ -131,6 +131,7 @@ class Gateway:
         self.counters = GatewayCounters()
         self.latency = StreamLatency()
         self.in_flight: Counter[str] = Counter()
+        self.opened: Counter[str] = Counter()  # engine streams ever opened, by worker
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._upstreams: set[Upstream] = set()  # open engine streams, for migrations
@@ -495,6 +496,7 @@ class Gateway:
                                          self.timing.token_deadline_s))
         self._upstreams.add(upstream)
         self.in_flight[target.worker] += 1
+        self.opened[target.worker] += 1
         return upstream
 
     async def _close(self, upstream: Upstream) -> None:

@@ -137,6 +137,10 @@ def test_dashboard_queries_name_only_exported_metrics(
     # The gateway, control-plane and checkpoint panels have live series to show.
     assert sample_value(follower, "lumen_gateway_requests_total", {"outcome": "ok"}) >= 1
     assert sample_value(follower, "lumen_gateway_rejected_total", {}) >= 1
+    opened = re.findall(r'^lumen_gateway_streams_opened_total\{worker="[^"]+"\} (\S+)$',
+                        follower, re.M)
+    assert sum(map(float, opened)) >= sample_value(
+        follower, "lumen_gateway_requests_total", {"outcome": "ok"}), opened
     assert {"lumen_gateway_degraded_total", "lumen_gateway_resumes_total"} <= \
         sample_names(follower)
     assert sample_value(leader, "lumen_coordinator_decisions_total", {"kind": "admit"}) >= 1
