@@ -4,11 +4,13 @@ computes only the tail, continuing exactly as the failure-free run would have.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import pytest
 
 from lumenctl.localcluster import free_ports, stop_process
 from lumend.checkpoint.streamer import CheckpointStreamer
-from lumend.engine.sim_checkpoint import SimCheckpointer, is_kv_page
+from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer, is_kv_page
 from lumend.engine.sim_core import (
     BLOCK_SIZE,
     block_hashes,
@@ -179,3 +181,46 @@ def test_the_page_check_is_a_byte_for_byte_comparison(page_bytes: int) -> None:
         bad = bytearray(good)
         bad[rng.randrange(page_bytes)] ^= 1 << rng.randrange(8)
         assert not is_kv_page(memoryview(bytes(bad)), h, page_bytes)
+
+
+def test_a_request_waits_for_its_holder_once_not_behind_the_pages_queued_for_it(
+        make_holder: MakeHolder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first request to a holder waits for its connection on the I/O thread; later ones
+    are admitted at once, while that thread is still busy with pages (before: every
+    admission queued behind them, adding the sending of earlier prompts' pages to its TTFT).
+    Negative control: a holder never reached still waits for the I/O thread."""
+    monkeypatch.delenv("LUMEN_CKPT_KEYS", raising=False)
+    holder = make_holder(budget_bytes=64 << 20, workers=("h0",))
+    saver = SimCheckpointer(sim_model("sim-small"), seed=0)
+    first = save_plan(holder.endpoint)
+    unknown = save_plan("tcp://127.0.0.1:1")
+    busy, release = threading.Event(), threading.Event()
+
+    def hold_the_io_thread() -> None:
+        busy.set()
+        release.wait(60)
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        reached = await saver.connect(first, within_s=10)
+        saver._on_io(hold_the_io_thread)  # pages of earlier prompts, as far as it matters
+        assert await asyncio.to_thread(busy.wait, 10)
+        again = await asyncio.wait_for(saver.connect(first), 10)
+        still_busy = not release.is_set()
+        waiting = asyncio.create_task(saver.connect(unknown, within_s=0.2))
+        await asyncio.sleep(0.5)
+        queued = not waiting.done()  # behind the I/O thread: not even timed out yet
+        release.set()
+        assert not await asyncio.wait_for(waiting, 10)  # nothing listens there
+        return reached and again, still_busy, queued
+
+    try:
+        admitted, while_busy, unknown_queued = asyncio.run(scenario())
+    finally:
+        release.set()
+        saver.close()
+    assert admitted and while_busy
+    assert unknown_queued
+
+
+def save_plan(holder: str) -> CheckpointPlan:
+    return CheckpointPlan("req-1", holder, "h0", "save")
