@@ -6,6 +6,12 @@ connected) the block is dropped, counted, and its checkpoint marked incomplete: 
 falls, decode latency does not. Later blocks of an incomplete checkpoint are not sent
 either, because a holder matches consecutive blocks only and they would be useless.
 
+A new holder's first connection takes a TCP and ZMTP (CurveZMQ) handshake, longer on a busy
+node: with `connect_grace_s` the pages put before it are held, in order and up to the
+high-water mark, and sent once it is up (`flush`, or the next `put_block`); only when the
+grace passes without a connection are they dropped. After the first connection nothing is
+held: a holder that goes away loses the blocks put meanwhile at once.
+
 ACKs from the holder say how far each checkpoint has reached; they are read, without
 waiting, on every call. `lookup` and `get` serve the resume side; they wait (with a timeout)
 on a socket of their own, so a full stream never delays a resume.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,14 +92,21 @@ class FetchedPage:
 class CheckpointStreamer:
     def __init__(self, endpoint: str, layout: PageLayout, *, sndhwm: int = 64,
                  context: zmq.Context[Any] | None = None,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, connect_grace_s: float = 0.0) -> None:
         """`curve`: the cluster's keys (`client_keys_from_env()` in engines); without them
-        a secure holder refuses this streamer: every block is then dropped."""
+        a secure holder refuses this streamer: every block is then dropped.
+        `connect_grace_s`: how long pages put before the holder's first connection are
+        held for it (0: dropped at once)."""
         self.endpoint = endpoint
         self.layout = layout
         self.curve = curve
         self._context = context or zmq.Context.instance()
+        self._sndhwm = sndhwm
         self._stream = self._socket(sndhwm, immediate=True)
+        self._ever_connected = False
+        self._grace_until = time.monotonic() + connect_grace_s
+        # Pages put while the first connection is pending: (checkpoint, frames), in order.
+        self._held: deque[tuple[str, list[Any]]] = deque()
         self._rpc: zmq.Socket[Any] | None = None
         self._seq = itertools.count(1)
         self.progress: dict[str, CheckpointProgress] = {}
@@ -113,8 +127,42 @@ class CheckpointStreamer:
         return sock
 
     def wait_connected(self, timeout_s: float) -> bool:
-        """Wait until the holder is connected (blocks put before that are dropped)."""
-        return bool(self._stream.poll(int(timeout_s * 1000), zmq.POLLOUT))
+        """Wait until the holder is connected (blocks put before that are dropped, or held
+        within the connect grace)."""
+        if not self._ever_connected and self._stream.poll(int(timeout_s * 1000), zmq.POLLOUT):
+            self._ever_connected = True
+        return self._ever_connected
+
+    def _first_connection_pending(self) -> bool:
+        """Within the connect grace and not connected yet (pages put now are held)."""
+        if self._ever_connected or time.monotonic() >= self._grace_until:
+            return False
+        return not self.wait_connected(0)
+
+    @property
+    def never_connected(self) -> bool:
+        """The connect grace passed without the holder ever connecting."""
+        return not self._ever_connected and time.monotonic() >= self._grace_until
+
+    @property
+    def held(self) -> int:
+        """Pages held for the holder's first connection."""
+        return len(self._held)
+
+    def flush(self) -> None:
+        """Send the pages held for the first connection once the holder is up; drop them
+        (counted) once the grace has passed without it. Cheap when nothing is held."""
+        if not self._held or self._first_connection_pending():
+            return
+        while self._held:
+            ckpt_id, frames = self._held.popleft()
+            progress = self.progress.get(ckpt_id)
+            if progress is None:
+                continue  # the request ended meanwhile: its checkpoint is freed
+            if self._ever_connected:
+                self._send(progress, frames)
+            else:
+                self._drop(progress)
 
     # -- streaming (never blocks) ---------------------------------------------------------
 
@@ -134,6 +182,7 @@ class CheckpointStreamer:
         progress = self.progress.setdefault(ckpt_id, CheckpointProgress())
         if progress.dropped or progress.refused or progress.finished:
             return self._drop(progress)
+        self.flush()
         lay = self.layout
         header = wire.request(
             wire.PUT, ckpt_id=ckpt_id, request_id=request_id, worker=worker,
@@ -141,9 +190,19 @@ class CheckpointStreamer:
             tp_size=lay.tp_size, block_index=block_index, block_hash=block_hash,
             token_count=token_count, dtype=lay.dtype, page_shape=list(lay.page_shape),
         )
+        frames = wire.frames(header, view)
+        if self._first_connection_pending():
+            if len(self._held) >= self._sndhwm:
+                return self._drop(progress)
+            self._held.append((ckpt_id, frames))
+            return True
+        return self._send(progress, frames)
+
+    def _send(self, progress: CheckpointProgress, frames: list[Any]) -> bool:
+        if progress.dropped or progress.refused or progress.finished:
+            return self._drop(progress)  # an earlier block of it was lost: a gap
         try:
-            self._stream.send_multipart(wire.frames(header, view), flags=zmq.NOBLOCK,
-                                        copy=False)
+            self._stream.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return self._drop(progress)
         progress.sent += 1

@@ -83,7 +83,11 @@ GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
 # few enough that the replies in flight stay within GET_WINDOW_BYTES.
 GET_WINDOW = 64
 GET_WINDOW_BYTES = 16 << 20
-CONNECT_TIMEOUT_S = 1.0
+CONNECT_TIMEOUT_S = 1.0  # what a lookup or FINISH waits for a new holder's connection
+# How long a step's pages wait for a new holder's first connection before they are dropped:
+# the save path never waits (a handshake on a busy node can take longer than a step, and a
+# checkpoint that lost its first blocks is useless).
+CONNECT_GRACE_S = 10.0
 IN_FLIGHT_MIB = 256  # per engine rank; kv_connector_extra_config {"in_flight_mib": N}
 
 
@@ -201,24 +205,27 @@ class LumenConnector(KVConnectorBase_V1):
         self._incomplete: set[str] = set()  # worker: checkpoints that lost a block
         self._reported_incomplete: set[str] = set()
         self._saving: dict[str, tuple[str, str]] = {}  # worker: request -> (holder, ckpt)
+        self._streamed = (0, 0)  # worker: the streamers' sent and dropped pages, counted
         log.info("LumenConnector (%s) layout %s", role.name, self._fingerprint)
 
     # -- shared --------------------------------------------------------------------------
 
-    def _streamer(self, holder: str, layout: PageLayout) -> CheckpointStreamer:
+    def _streamer(self, holder: str, layout: PageLayout, *,
+                  wait: bool = True) -> CheckpointStreamer:
+        """The streamer to `holder`, made on first use. `wait`: a new holder's connection is
+        waited for once (lookups and FINISH, which are not held); saves do not wait: the
+        pages put before the connection are held for CONNECT_GRACE_S."""
         streamer = self._streamers.get(holder)
         if streamer is None:
             # A long prompt's prefill fills many blocks in one step: the send queue holds
             # up to IN_FLIGHT_BYTES of pages (host memory) before blocks are dropped.
             sndhwm = max(64, self._in_flight_bytes // max(1, layout.page_nbytes))
             streamer = self._streamers[holder] = CheckpointStreamer(
-                holder, layout, sndhwm=sndhwm, **_curve_kwargs())
-            # Pages put before the connection exists are dropped, and a checkpoint with a
-            # gap at its start is useless: wait for a new holder once (a holder that does
-            # not answer costs this step the wait, later steps nothing).
-            if not streamer.wait_connected(CONNECT_TIMEOUT_S):
-                log.warning("holder %s not connected within %.1f s; its checkpoints start "
-                            "incomplete", holder, CONNECT_TIMEOUT_S)
+                holder, layout, sndhwm=sndhwm, connect_grace_s=CONNECT_GRACE_S,
+                **_curve_kwargs())
+            if wait and not streamer.wait_connected(CONNECT_TIMEOUT_S):
+                log.warning("holder %s not connected within %.1f s", holder,
+                            CONNECT_TIMEOUT_S)
         return streamer
 
     def _scheduler_layout(self) -> PageLayout:
@@ -429,6 +436,12 @@ class LumenConnector(KVConnectorBase_V1):
 
     def _send_copied(self) -> None:
         """Hand the pages whose copy completed to their holders, in the order saved."""
+        for holder, streamer in self._streamers.items():
+            streamer.flush()  # the pages held for a holder that was still connecting
+            if streamer.never_connected and holder not in self._unreachable_logged:
+                self._unreachable_logged.add(holder)
+                log.warning("holder %s not connected within %.0f s; the checkpoints saved "
+                            "to it lost their blocks", holder, CONNECT_GRACE_S)
         while self._copying and self._copying[0][0].ready():
             batch, saves = self._copying.popleft()
             host = batch.pages.numpy()  # rows keep the pinned buffer alive until sent
@@ -441,16 +454,21 @@ class LumenConnector(KVConnectorBase_V1):
 
     def _send(self, save: SaveSpec, page: Any) -> None:
         assert self._page_layout is not None
-        streamer = self._streamer(save.plan.holder, self._page_layout)
-        sent = streamer.put_block(
+        streamer = self._streamer(save.plan.holder, self._page_layout, wait=False)
+        streamer.put_block(
             ckpt_id=save.plan.ckpt_id, request_id=save.request_id, worker=save.plan.worker,
             block_index=save.block_index, block_hash=save.block_hash, page=page,
             token_count=save.token_count)
-        self.counters["blocks_saved" if sent else "blocks_dropped"] += 1
         self._saving[save.request_id] = (save.plan.holder, save.plan.ckpt_id)
-        progress = streamer.progress.get(save.plan.ckpt_id)
-        if progress is None or progress.dropped or progress.refused:
-            self._incomplete.add(save.plan.ckpt_id)
+
+    def _count_streamed(self) -> None:
+        """blocks_saved / blocks_dropped from the streamers' own counts: a page held for a
+        connecting holder is counted when it is sent or dropped, not when it is put."""
+        sent = sum(s.counters.sent for s in self._streamers.values())
+        dropped = sum(s.counters.dropped for s in self._streamers.values())
+        self.counters["blocks_saved"] += sent - self._streamed[0]
+        self.counters["blocks_dropped"] += dropped - self._streamed[1]
+        self._streamed = (sent, dropped)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -478,13 +496,15 @@ class LumenConnector(KVConnectorBase_V1):
     # -- statistics: Prometheus metrics in vLLM's /metrics ----------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.role == KVConnectorRole.WORKER:
+            self._count_streamed()
+            for streamer in self._streamers.values():
+                for ckpt_id, progress in streamer.progress.items():
+                    if progress.dropped or progress.refused:
+                        self._incomplete.add(ckpt_id)
         data: dict[str, Any] = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(COUNTERS, 0)
         if self.role == KVConnectorRole.WORKER:
-            for progress_owner in self._streamers.values():
-                for ckpt_id, progress in progress_owner.progress.items():
-                    if progress.refused:
-                        self._incomplete.add(ckpt_id)
             fresh = self._incomplete - self._reported_incomplete
             if fresh:
                 data["incomplete"] = sorted(fresh)

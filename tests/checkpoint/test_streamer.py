@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,3 +81,58 @@ def test_a_wrong_page_size_is_a_caller_bug(make_streamer: MakeStreamer,
     with pytest.raises(ValueError, match="layout says"):
         put(s, "c1", 0, b"short")
     assert s.counters.sent == 0
+
+
+def test_pages_put_while_a_new_holder_connects_are_held_then_delivered_in_order(
+    make_streamer: MakeStreamer,
+) -> None:
+    """A holder whose first connection comes late (a busy node's handshake) still gets the
+    checkpoint from its first block; without a grace (the negative control) the first
+    blocks are lost and with them the whole checkpoint."""
+    from lumend.checkpoint.holder import HolderConfig
+
+    (port,) = free_ports(1)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    patient = make_streamer(endpoint, connect=False, connect_grace_s=30)
+    hasty = make_streamer(endpoint, connect=False)
+    assert all(put(patient, "c1", i, page(i)) for i in range(5))
+    assert all(put(patient, "gone", i, page(i)) for i in range(2))
+    assert not any(put(hasty, "c2", i, page(i)) for i in range(5))
+    assert (patient.held, patient.counters.sent, patient.counters.dropped) == (7, 0, 0)
+    patient.progress.pop("gone")  # its request ended while the holder was connecting
+
+    holder = RunningHolder(HolderConfig(listen=f"127.0.0.1:{port}", workers=("w0",),
+                                        budget_bytes=1 << 20)).start()
+    try:
+        assert patient.wait_connected(10) and hasty.wait_connected(10)
+        patient.flush()
+        assert (patient.held, patient.counters.sent) == (0, 5), "the held pages are sent"
+        assert put(patient, "c1", 5, page(5)) and not put(hasty, "c2", 5, page(5))
+        assert patient.wait_acks("c1", 10).complete and patient.progress["c1"].reached == 6
+
+        def held(ckpt: str) -> int:
+            found = holder.service.store.checkpoints.get(ckpt)
+            return 0 if found is None else found.reached.get(0, 0)
+
+        assert holder.call(lambda: (held("c1"), held("c2"), held("gone"))) == (6, 0, 0)
+    finally:
+        holder.stop()
+
+
+def test_pages_held_for_a_holder_that_never_connects_are_dropped_after_the_grace(
+    make_streamer: MakeStreamer,
+) -> None:
+    (port,) = free_ports(1)
+    s = make_streamer(f"tcp://127.0.0.1:{port}", connect=False, sndhwm=3,
+                      connect_grace_s=0.5)
+    assert [put(s, "c1", i, page(i)) for i in range(4)] == [True, True, True, False]
+    assert s.held == 3 and not s.never_connected
+    s.flush()
+    assert s.held == 3, "still within the grace: nothing dropped yet"
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    s.flush()
+    assert s.never_connected and s.held == 0
+    assert (s.progress["c1"].dropped, s.counters.dropped, s.counters.sent) == (4, 4, 0)
+    assert not put(s, "c1", 4, page(4)), "a block after the lost ones is useless"

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ PROMPT = [4 + (i * 37) % 270 for i in range(70)]  # token ids of the tiny vocabu
 RESUME_AFTER = 40
 MAX_LEN = 512
 CONTINUE = 20
+LATE_HOLDER_AFTER = 150  # tokens streamed before the late holder starts
 
 
 class VllmServer:
@@ -106,6 +107,29 @@ class VllmServer:
         assert len(tokens) >= after, f"the stream ended after {len(tokens)} tokens"
         self.proc.wait(30)
         return tokens
+
+    def stream_until(self, prompt: list[int], max_tokens: int, lumen: dict[str, str],
+                     kill_when: Callable[[list[int]], bool]) -> list[int]:
+        """Stream a completion; SIGKILL the engine once `kill_when(tokens so far)`."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "stream": True, "kv_transfer_params": {"lumen": lumen}}
+        request = urllib.request.Request(self.url + "/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        tokens: list[int] = []
+        with urllib.request.urlopen(request, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens.extend(int(t) for t in choice.get("token_ids") or [])
+                if kill_when(tokens):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(30)
+                    return tokens
+        raise AssertionError(f"the stream ended after {len(tokens)} tokens, before the kill")
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
@@ -225,6 +249,57 @@ def test_resume_from_streamed_blocks_continues_with_the_same_tokens(
                                                      "mode": "resume"})
     assert b.metric("vllm:external_prefix_cache_hits_total") - hits_before == 2 * hits
     assert diverged != baseline[RESUME_AFTER:], "scrambled pages must change the output"
+
+
+@pytest.fixture
+def engine(tiny_llama: Path, tmp_path: Path) -> Iterator[VllmServer]:
+    server = VllmServer(tiny_llama, tmp_path, "A")
+    try:
+        server.wait_ready(time.monotonic() + 900)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_holder_that_connects_late_still_gets_the_checkpoint_from_its_first_block(
+    engine: VllmServer,
+) -> None:
+    """The holder's connection comes up long after the request's prefill step (a busy
+    node's handshake, or a holder that starts late): the pages saved meanwhile wait in the
+    engine and reach it, from block 0, so the checkpoint is usable. Before the connect
+    grace, pages put before the first connection were dropped and such a checkpoint held
+    nothing (tests/checkpoint/test_streamer.py has that negative control)."""
+    from lumend.checkpoint.holder import HolderConfig
+
+    engine.complete(PROMPT, 4, {})  # warm: the first request of an engine is slow
+    (port,) = free_ports(1)
+    plan = {"holder": f"tcp://127.0.0.1:{port}", "worker": "h0", "ckpt_id": "late",
+            "mode": "save"}
+    late: list[RunningHolder] = []
+    # Blocks full when the holder starts (computed KV: prompt + tokens seen - 1).
+    expected = (len(PROMPT) + LATE_HOLDER_AFTER - 1) // BLOCK
+    seen_held = [0]
+
+    def kill_when(tokens: list[int]) -> bool:
+        if not late:
+            if len(tokens) >= LATE_HOLDER_AFTER:
+                late.append(RunningHolder(HolderConfig(
+                    listen=f"127.0.0.1:{port}", workers=("h0",),
+                    budget_bytes=256 << 20)).start())
+            return False
+        seen_held[0] = held_blocks(late[0], "late")
+        return seen_held[0] >= expected
+
+    try:
+        tokens = engine.stream_until(PROMPT, MAX_LEN - len(PROMPT) - 1, plan, kill_when)
+        print(f"holder started after {LATE_HOLDER_AFTER} tokens; it held the {expected} "
+              f"blocks full by then {len(tokens) - LATE_HOLDER_AFTER} tokens later")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the late holder held {seen_held[0]} of {expected} "
+                             "blocks") from None
+    finally:
+        for running in late:
+            running.stop()
 
 
 def test_a_resume_the_holder_cannot_serve_recomputes(
