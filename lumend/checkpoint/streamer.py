@@ -35,6 +35,10 @@ from lumend.checkpoint import wire
 from lumend.checkpoint.security import CurveKeys
 from lumend.checkpoint.wire import Header, WireError
 
+# What an engine's streamer holds pages for a new holder's first connection: long enough for
+# a handshake on a busy node, short enough that a holder that never comes costs little memory.
+ENGINE_CONNECT_GRACE_S = 10.0
+
 
 @dataclass(frozen=True)
 class PageLayout:
@@ -61,17 +65,19 @@ class CheckpointProgress:
     reached: int = 0       # holder's ACK: blocks 0..reached-1 held on this rank
     refused: str = ""      # the holder's reason when it refused this checkpoint
     finished: bool = False
+    held: int = 0          # blocks waiting for the holder's first connection
 
     @property
     def complete(self) -> bool:
         """Every block sent so far is held (as far as the ACKs read so far say)."""
-        return not self.dropped and not self.refused and self.reached == self.sent
+        return self.intact and self.reached == self.sent
 
     @property
     def intact(self) -> bool:
-        """No block dropped and none refused so far (ACKs still on their way are trusted):
-        what an engine's `lumen_ckpt_requests_complete` counts."""
-        return not self.dropped and not self.refused
+        """No block dropped and none refused so far, and none waiting for the holder's
+        first connection (ACKs still on their way are trusted): what an engine's
+        `lumen_ckpt_requests_complete` counts."""
+        return not self.dropped and not self.refused and not self.held
 
 
 @dataclass
@@ -159,6 +165,7 @@ class CheckpointStreamer:
             progress = self.progress.get(ckpt_id)
             if progress is None:
                 continue  # the request ended meanwhile: its checkpoint is freed
+            progress.held -= 1
             if self._ever_connected:
                 self._send(progress, frames)
             else:
@@ -195,6 +202,7 @@ class CheckpointStreamer:
             if len(self._held) >= self._sndhwm:
                 return self._drop(progress)
             self._held.append((ckpt_id, frames))
+            progress.held += 1
             return True
         return self._send(progress, frames)
 

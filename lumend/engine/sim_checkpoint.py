@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from lumend.checkpoint.security import client_keys_from_env
-from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+from lumend.checkpoint.streamer import ENGINE_CONNECT_GRACE_S, CheckpointStreamer, PageLayout
 from lumend.engine.metric_names import ckpt_counter
 from lumend.engine.sim_core import BLOCK_SIZE, SimRequest, block_hashes, kv_page
 from lumend.engine.sim_models import SimModel
@@ -116,14 +116,26 @@ class SimCheckpointer:
         # Asking the I/O thread each time queued every admission behind the pages of the
         # prompts before it (bench/ckpt_overhead.py).
         self._reached: set[str] = set()
+        self._streamed = (0, 0)  # the streamers' sent and dropped pages, counted (I/O thread)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-io")
 
     def _streamer(self, holder: str) -> CheckpointStreamer:
         streamer = self._streamers.get(holder)
         if streamer is None:
+            # Pages put before a slow first connection wait for it (the vLLM connector's rule).
             streamer = self._streamers[holder] = CheckpointStreamer(
-                holder, self.layout, sndhwm=self.sndhwm, curve=self.curve)
+                holder, self.layout, sndhwm=self.sndhwm, curve=self.curve,
+                connect_grace_s=ENGINE_CONNECT_GRACE_S)
         return streamer
+
+    def _count_streamed(self) -> None:
+        """blocks_saved / blocks_dropped from the streamers' counts (I/O thread): a page held
+        for a connecting holder counts when it is sent or dropped."""
+        sent = sum(s.counters.sent for s in self._streamers.values())
+        dropped = sum(s.counters.dropped for s in self._streamers.values())
+        self.counters.blocks_saved += sent - self._streamed[0]
+        self.counters.blocks_dropped += dropped - self._streamed[1]
+        self._streamed = (sent, dropped)
 
     def _on_io(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn` on the I/O thread, in order, without waiting (errors are logged)."""
@@ -151,19 +163,22 @@ class SimCheckpointer:
 
     def _poll_acks(self) -> None:
         for streamer in list(self._streamers.values()):
+            streamer.flush()
             streamer.poll_acks()
+        self._count_streamed()
 
     async def connect(self, plan: CheckpointPlan, within_s: float = 1.0) -> bool:
-        """Connect to the request's holder before it is admitted (blocks put before the
-        connection exists would be dropped, and a checkpoint with a gap is useless); at
-        once for a holder connected before."""
+        """Connect to the request's holder before it is admitted; at once for a holder
+        connected before. A slower first connection does not cost the checkpoint: its
+        pages wait for it up to ENGINE_CONNECT_GRACE_S."""
         if plan.holder in self._reached:
             return True
         deadline = asyncio.get_running_loop().time() + within_s
         while not await self._io_call(self._connected, plan.holder):
             if asyncio.get_running_loop().time() > deadline:
-                log.warning("holder %s not reachable within %.1f s; request %s runs without "
-                            "a checkpoint", plan.holder, within_s, plan.ckpt_id)
+                log.warning("holder %s not reachable within %.1f s; request %s runs, its "
+                            "pages held for the holder up to %.0f s", plan.holder, within_s,
+                            plan.ckpt_id, ENGINE_CONNECT_GRACE_S)
                 return False
             await asyncio.sleep(0.01)
         self._reached.add(plan.holder)
@@ -183,15 +198,12 @@ class SimCheckpointer:
              ) -> None:
         streamer = self._streamer(plan.holder)
         for index, block_hash in blocks:
-            sent = streamer.put_block(
+            streamer.put_block(
                 ckpt_id=plan.ckpt_id, request_id=request_id, worker=plan.worker,
                 block_index=index, block_hash=block_hash,
                 page=kv_page(block_hash, self.page_bytes),
                 token_count=(index + 1) * BLOCK_SIZE)
-            if sent:
-                self.counters.blocks_saved += 1
-            else:
-                self.counters.blocks_dropped += 1
+        self._count_streamed()
 
     async def finish(self, plan: CheckpointPlan, request_id: str = "",
                      within_s: float = 2.0) -> bool:

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
+from lumend.checkpoint.streamer import ENGINE_CONNECT_GRACE_S, CheckpointStreamer, PageLayout
 from lumend.engine.kv_pages import PAGE_FORMAT, KvPages, StagedPages
 from lumend.engine.metric_names import (
     CKPT_REQUESTS_COMPLETE,
@@ -87,7 +87,7 @@ CONNECT_TIMEOUT_S = 1.0  # what a lookup or FINISH waits for a new holder's conn
 # How long a step's pages wait for a new holder's first connection before they are dropped:
 # the save path never waits (a handshake on a busy node can take longer than a step, and a
 # checkpoint that lost its first blocks is useless).
-CONNECT_GRACE_S = 10.0
+CONNECT_GRACE_S = ENGINE_CONNECT_GRACE_S
 IN_FLIGHT_MIB = 256  # per engine rank; kv_connector_extra_config {"in_flight_mib": N}
 
 

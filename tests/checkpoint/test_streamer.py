@@ -99,6 +99,9 @@ def test_pages_put_while_a_new_holder_connects_are_held_then_delivered_in_order(
     assert all(put(patient, "gone", i, page(i)) for i in range(2))
     assert not any(put(hasty, "c2", i, page(i)) for i in range(5))
     assert (patient.held, patient.counters.sent, patient.counters.dropped) == (7, 0, 0)
+    waiting = patient.progress["c1"]
+    assert waiting.held == 5 and not waiting.intact and not waiting.complete, (
+        "pages not yet at the holder do not count as covered")
     patient.progress.pop("gone")  # its request ended while the holder was connecting
 
     holder = RunningHolder(HolderConfig(listen=f"127.0.0.1:{port}", workers=("w0",),
@@ -107,6 +110,7 @@ def test_pages_put_while_a_new_holder_connects_are_held_then_delivered_in_order(
         assert patient.wait_connected(10) and hasty.wait_connected(10)
         patient.flush()
         assert (patient.held, patient.counters.sent) == (0, 5), "the held pages are sent"
+        assert waiting.held == 0 and waiting.intact
         assert put(patient, "c1", 5, page(5)) and not put(hasty, "c2", 5, page(5))
         assert patient.wait_acks("c1", 10).complete and patient.progress["c1"].reached == 6
 
