@@ -15,6 +15,7 @@ from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 from .conftest import RunningHolder, block_hash, page
 
 MakeStreamer = Callable[..., CheckpointStreamer]
+GRACE_S = 2.0  # long enough that a busy machine does not pass it between two lines
 BIG = PageLayout(model="tiny", layout_fingerprint="fp-1", dtype="uint8", page_shape=(256 * 1024,))
 
 
@@ -128,12 +129,12 @@ def test_pages_held_for_a_holder_that_never_connects_are_dropped_after_the_grace
 ) -> None:
     (port,) = free_ports(1)
     s = make_streamer(f"tcp://127.0.0.1:{port}", connect=False, sndhwm=3,
-                      connect_grace_s=0.5)
+                      connect_grace_s=GRACE_S)
     assert [put(s, "c1", i, page(i)) for i in range(4)] == [True, True, True, False]
     assert s.held == 3 and not s.never_connected
     s.flush()
     assert s.held == 3, "still within the grace: nothing dropped yet"
-    deadline = time.monotonic() + 0.5
+    deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
         time.sleep(0.05)
     s.flush()
