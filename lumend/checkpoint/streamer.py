@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +77,12 @@ class CheckpointProgress:
         """No block dropped and none refused so far, and none waiting for the holder's
         first connection (ACKs still on their way are trusted): what an engine's
         `lumen_ckpt_requests_complete` counts."""
-        return not self.dropped and not self.refused and not self.held
+        return not self.lost and not self.held
+
+    @property
+    def lost(self) -> bool:
+        """A block of it was dropped or refused: the checkpoint stops where the gap is."""
+        return bool(self.dropped or self.refused)
 
 
 @dataclass
@@ -87,6 +92,23 @@ class StreamerCounters:
     acks: int = 0
     refusals: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+
+
+class StreamedTally:
+    """Pages a set of streamers sent and dropped since the last call: what an engine adds to
+    its blocks saved / dropped counters (a held page counts when it is sent or dropped)."""
+
+    def __init__(self) -> None:
+        self._seen = (0, 0)
+
+    def since_last(self, streamers: Iterable[CheckpointStreamer]) -> tuple[int, int]:
+        sent = dropped = 0
+        for streamer in streamers:
+            sent += streamer.counters.sent
+            dropped += streamer.counters.dropped
+        delta = (sent - self._seen[0], dropped - self._seen[1])
+        self._seen = (sent, dropped)
+        return delta
 
 
 @dataclass(frozen=True)
@@ -187,7 +209,7 @@ class CheckpointStreamer:
                              f"{list(self.layout.page_shape)})")
         self.poll_acks()
         progress = self.progress.setdefault(ckpt_id, CheckpointProgress())
-        if progress.dropped or progress.refused or progress.finished:
+        if progress.lost or progress.finished:
             return self._drop(progress)
         self.flush()
         lay = self.layout
@@ -207,7 +229,7 @@ class CheckpointStreamer:
         return self._send(progress, frames)
 
     def _send(self, progress: CheckpointProgress, frames: list[Any]) -> bool:
-        if progress.dropped or progress.refused or progress.finished:
+        if progress.lost or progress.finished:
             return self._drop(progress)  # an earlier block of it was lost: a gap
         try:
             self._stream.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from lumend.checkpoint.security import client_keys_from_env
-from lumend.checkpoint.streamer import ENGINE_CONNECT_GRACE_S, CheckpointStreamer, PageLayout
+from lumend.checkpoint.streamer import (
+    ENGINE_CONNECT_GRACE_S,
+    CheckpointStreamer,
+    PageLayout,
+    StreamedTally,
+)
 from lumend.engine.metric_names import ckpt_counter
 from lumend.engine.sim_core import BLOCK_SIZE, SimRequest, block_hashes, kv_page
 from lumend.engine.sim_models import SimModel
@@ -116,7 +121,7 @@ class SimCheckpointer:
         # Asking the I/O thread each time queued every admission behind the pages of the
         # prompts before it (bench/ckpt_overhead.py).
         self._reached: set[str] = set()
-        self._streamed = (0, 0)  # the streamers' sent and dropped pages, counted (I/O thread)
+        self._tally = StreamedTally()  # pages sent and dropped, for the counters (I/O thread)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-io")
 
     def _streamer(self, holder: str) -> CheckpointStreamer:
@@ -129,13 +134,9 @@ class SimCheckpointer:
         return streamer
 
     def _count_streamed(self) -> None:
-        """blocks_saved / blocks_dropped from the streamers' counts (I/O thread): a page held
-        for a connecting holder counts when it is sent or dropped."""
-        sent = sum(s.counters.sent for s in self._streamers.values())
-        dropped = sum(s.counters.dropped for s in self._streamers.values())
-        self.counters.blocks_saved += sent - self._streamed[0]
-        self.counters.blocks_dropped += dropped - self._streamed[1]
-        self._streamed = (sent, dropped)
+        sent, dropped = self._tally.since_last(self._streamers.values())
+        self.counters.blocks_saved += sent
+        self.counters.blocks_dropped += dropped
 
     def _on_io(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn` on the I/O thread, in order, without waiting (errors are logged)."""

@@ -50,7 +50,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from lumend.checkpoint.streamer import ENGINE_CONNECT_GRACE_S, CheckpointStreamer, PageLayout
+from lumend.checkpoint.streamer import (
+    ENGINE_CONNECT_GRACE_S,
+    CheckpointStreamer,
+    PageLayout,
+    StreamedTally,
+)
 from lumend.engine.kv_pages import PAGE_FORMAT, KvPages, StagedPages
 from lumend.engine.metric_names import (
     CKPT_REQUESTS_COMPLETE,
@@ -83,11 +88,10 @@ GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
 # few enough that the replies in flight stay within GET_WINDOW_BYTES.
 GET_WINDOW = 64
 GET_WINDOW_BYTES = 16 << 20
-CONNECT_TIMEOUT_S = 1.0  # what a lookup or FINISH waits for a new holder's connection
-# How long a step's pages wait for a new holder's first connection before they are dropped:
-# the save path never waits (a handshake on a busy node can take longer than a step, and a
-# checkpoint that lost its first blocks is useless).
-CONNECT_GRACE_S = ENGINE_CONNECT_GRACE_S
+# What a lookup or FINISH waits for a new holder's connection. Saves never wait: a handshake
+# on a busy node can take longer than a step, so their pages are held for the holder's first
+# connection (ENGINE_CONNECT_GRACE_S) and a checkpoint keeps its first blocks.
+CONNECT_TIMEOUT_S = 1.0
 IN_FLIGHT_MIB = 256  # per engine rank; kv_connector_extra_config {"in_flight_mib": N}
 
 
@@ -205,7 +209,7 @@ class LumenConnector(KVConnectorBase_V1):
         self._incomplete: set[str] = set()  # worker: checkpoints that lost a block
         self._reported_incomplete: set[str] = set()
         self._saving: dict[str, tuple[str, str]] = {}  # worker: request -> (holder, ckpt)
-        self._streamed = (0, 0)  # worker: the streamers' sent and dropped pages, counted
+        self._tally = StreamedTally()  # worker: pages sent and dropped, for the counters
         log.info("LumenConnector (%s) layout %s", role.name, self._fingerprint)
 
     # -- shared --------------------------------------------------------------------------
@@ -214,14 +218,14 @@ class LumenConnector(KVConnectorBase_V1):
                   wait: bool = True) -> CheckpointStreamer:
         """The streamer to `holder`, made on first use. `wait`: a new holder's connection is
         waited for once (lookups and FINISH, which are not held); saves do not wait: the
-        pages put before the connection are held for CONNECT_GRACE_S."""
+        pages put before the connection are held for ENGINE_CONNECT_GRACE_S."""
         streamer = self._streamers.get(holder)
         if streamer is None:
             # A long prompt's prefill fills many blocks in one step: the send queue holds
             # up to IN_FLIGHT_BYTES of pages (host memory) before blocks are dropped.
             sndhwm = max(64, self._in_flight_bytes // max(1, layout.page_nbytes))
             streamer = self._streamers[holder] = CheckpointStreamer(
-                holder, layout, sndhwm=sndhwm, connect_grace_s=CONNECT_GRACE_S,
+                holder, layout, sndhwm=sndhwm, connect_grace_s=ENGINE_CONNECT_GRACE_S,
                 **_curve_kwargs())
             if wait and not streamer.wait_connected(CONNECT_TIMEOUT_S):
                 log.warning("holder %s not connected within %.1f s", holder,
@@ -438,10 +442,10 @@ class LumenConnector(KVConnectorBase_V1):
         """Hand the pages whose copy completed to their holders, in the order saved."""
         for holder, streamer in self._streamers.items():
             streamer.flush()  # the pages held for a holder that was still connecting
-            if streamer.never_connected and holder not in self._unreachable_logged:
+            if holder not in self._unreachable_logged and streamer.never_connected:
                 self._unreachable_logged.add(holder)
                 log.warning("holder %s not connected within %.0f s; the checkpoints saved "
-                            "to it lost their blocks", holder, CONNECT_GRACE_S)
+                            "to it lost their blocks", holder, ENGINE_CONNECT_GRACE_S)
         while self._copying and self._copying[0][0].ready():
             batch, saves = self._copying.popleft()
             host = batch.pages.numpy()  # rows keep the pinned buffer alive until sent
@@ -460,15 +464,6 @@ class LumenConnector(KVConnectorBase_V1):
             block_index=save.block_index, block_hash=save.block_hash, page=page,
             token_count=save.token_count)
         self._saving[save.request_id] = (save.plan.holder, save.plan.ckpt_id)
-
-    def _count_streamed(self) -> None:
-        """blocks_saved / blocks_dropped from the streamers' own counts: a page held for a
-        connecting holder is counted when it is sent or dropped, not when it is put."""
-        sent = sum(s.counters.sent for s in self._streamers.values())
-        dropped = sum(s.counters.dropped for s in self._streamers.values())
-        self.counters["blocks_saved"] += sent - self._streamed[0]
-        self.counters["blocks_dropped"] += dropped - self._streamed[1]
-        self._streamed = (sent, dropped)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -497,10 +492,12 @@ class LumenConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role == KVConnectorRole.WORKER:
-            self._count_streamed()
+            sent, dropped = self._tally.since_last(self._streamers.values())
+            self.counters["blocks_saved"] += sent
+            self.counters["blocks_dropped"] += dropped
             for streamer in self._streamers.values():
                 for ckpt_id, progress in streamer.progress.items():
-                    if progress.dropped or progress.refused:
+                    if progress.lost:
                         self._incomplete.add(ckpt_id)
         data: dict[str, Any] = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(COUNTERS, 0)

@@ -86,27 +86,7 @@ class VllmServer:
     def stream_then_kill(self, prompt: list[int], max_tokens: int, lumen: dict[str, str],
                          after: int) -> list[int]:
         """Stream a completion; SIGKILL the engine once `after` tokens arrived."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                "stream": True, "kv_transfer_params": {"lumen": lumen}}
-        request = urllib.request.Request(self.url + "/v1/completions",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        tokens: list[int] = []
-        with urllib.request.urlopen(request, timeout=120) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for choice in json.loads(line[6:])["choices"]:
-                    tokens.extend(int(t) for t in choice.get("token_ids") or [])
-                if len(tokens) >= after:
-                    # The engine fails as a whole: API server, engine core and worker.
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    break
-        assert len(tokens) >= after, f"the stream ended after {len(tokens)} tokens"
-        self.proc.wait(30)
-        return tokens
+        return self.stream_until(prompt, max_tokens, lumen, lambda tokens: len(tokens) >= after)
 
     def stream_until(self, prompt: list[int], max_tokens: int, lumen: dict[str, str],
                      kill_when: Callable[[list[int]], bool]) -> list[int]:
