@@ -72,6 +72,9 @@ from lumend.sim.stats import interval, paired_ratio
 from lumend.sim.sweep import request_seconds
 from lumend.sim.workload import Workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the serving-path scrape
+from serving_overhead import mean_of, snapshot
+
 VICTIM = "node-2-w0"
 MODELS = ("sim-medium", "sim-small")  # the same step costs; sim-medium restarts in 6 s x scale
 POLICIES = ("lumen", "fixed_checkpoint", "stop_and_restart")
@@ -184,6 +187,9 @@ class RealRun:
     late_step_s: float  # time the engines fell behind that and gave up
     idle_ttft_direct_s: float  # a lone request straight to an engine
     idle_ttft_gateway_s: float  # the same through a gateway
+    # Before the fault (first tokens out by SPLIT_BEFORE_FAULT_S before it), mean TTFT as
+    # the gateways and the engines observed it, and until when (s into the trace).
+    split: ServingSplit | None
     # VICTIM's place among the workers in the coordinator's order (by name), which the
     # simulator's workers follow: admission breaks ties by that order, and which worker the
     # ties favour decides how many requests the killed one holds (seed 17,
@@ -218,6 +224,42 @@ async def idle_ttft(url: str, prompt_tokens: int, count: int) -> float:
                     ttfts.append(time.monotonic() - started)
                     break
     return statistics.median(ttfts[2:])
+
+
+SPLIT_BEFORE_FAULT_S = 1.0
+
+
+@dataclass(frozen=True)
+class ServingSplit:
+    """Mean TTFT before the fault at the gateways (request in to first token out) and at
+    the engines (arrival at the engine's API server to first token out), over the first
+    tokens out by `until` (s into the trace): the real side's serving path is
+    client - engine, the engines' own queueing and batching are in `engine_s`."""
+
+    until: float
+    gateway_s: float
+    engine_s: float
+    counted: tuple[int, int]  # first tokens the gateways and the engines observed
+
+
+class SplitWatch:
+    """Scrapes the gateways' and engines' TTFT histograms SPLIT_BEFORE_FAULT_S before the
+    fault, against a scrape taken before the trace (`before`)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.before = snapshot(cluster)
+        self.split: ServingSplit | None = None
+
+    async def __call__(self, run: Replay) -> None:
+        assert run.fault_at is not None
+        until = run.fault_at - SPLIT_BEFORE_FAULT_S
+        await asyncio.sleep(max(0.0, until - run.now()))
+        at = run.now()
+        after = await asyncio.to_thread(snapshot, run.cluster)
+        delta = {k: after.get(k, 0.0) - self.before.get(k, 0.0) for k in after}
+        gateway_s, gateway_n = mean_of(delta, "lumen_gateway_ttft_seconds")
+        engine_s, engine_n = mean_of(delta, "vllm:time_to_first_token_seconds")
+        self.split = ServingSplit(at, gateway_s, engine_s, (gateway_n, engine_n))
 
 
 class BackWatch:
@@ -255,8 +297,12 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
         through = asyncio.run(idle_ttft(cluster.nodes[0].gateway, PROBE_TOKENS, PROBES))
         decisions = DecisionLog(cluster)
         run = Replay(cluster, requests, args.fault_at, VICTIM)
-        watch = BackWatch()
-        asyncio.run(run.run(watch))
+        watch, split = BackWatch(), SplitWatch(cluster)
+
+        async def both(run: Replay) -> None:
+            await asyncio.gather(watch(run), split(run))
+
+        asyncio.run(run.run(both))
         assert run.fault is not None
         back = None if watch.back_at is None else watch.back_at - run.fault
         routed = len(decisions.new())
@@ -267,7 +313,7 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
         late = engine_metric_sum(engines, "lumen_sim_step_late_seconds_total")
         victim = sorted(read_view(cluster.endpoints, cluster.cluster).workers).index(VICTIM)
         return RealRun(run.outcomes, run.fault, back, routed, modelled, late, direct, through,
-                       victim)
+                       split.split, victim)
     finally:
         cluster.stop()
 
@@ -501,6 +547,24 @@ def resimulate(path: Path) -> list[Validation]:
     return runs
 
 
+def split_line(split: ServingSplit, real: Sequence[Served], simulated: Sequence[Served]
+               ) -> str:
+    """Where the real side's time went before the fault, against the simulated side over
+    the same first tokens (out by `split.until`)."""
+    def mean_ttft(served: Sequence[Served]) -> float:
+        ttfts = [x.ttft for x in served if x.first <= split.until]
+        return statistics.fmean(ttfts) if ttfts else float("nan")
+
+    client, sim = mean_ttft(real), mean_ttft(simulated)
+    ms = 1000
+    return (f"before the fault (first tokens by {split.until:.1f} s): mean TTFT real "
+            f"{client * ms:.1f} ms at the client, {split.gateway_s * ms:.1f} at the gateways, "
+            f"{split.engine_s * ms:.1f} at the engines ({split.counted[0]}/{split.counted[1]} "
+            f"observed); simulated {sim * ms:.1f} ms; serving path (client - engine) "
+            f"{(client - split.engine_s) * ms:.1f} ms, engines - simulated "
+            f"{(split.engine_s - sim) * ms:.1f} ms")
+
+
 def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     """One seed under one policy (args.seed, args.policy): the real run, then the simulated
     one; prints its table and returns it with what --save writes."""
@@ -536,6 +600,7 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
         "given": {"process_start_s": process_start, "overhead_s": overhead,
                   "victim": real_run.victim_index},
         "sent": sent,
+        "split": None if real_run.split is None else asdict(real_run.split),
         "metrics": {"real": asdict(real), "simulated": asdict(sim)},
         "real": [asdict(x) for x in real_served(real_run.outcomes)],
         "simulated": [asdict(x) for x in simulated]}
@@ -555,6 +620,8 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
           f"minus the model's {modelled_lone * 1000:.0f} ms; straight to an engine "
           f"{real_run.idle_ttft_direct_s * 1000:.0f} ms; idle cluster, {PROBES} each); "
           f"restores {args.restore_mbps:g} MB/s beside the engine")
+    if real_run.split is not None:
+        print(split_line(real_run.split, real_served(real_run.outcomes), simulated))
     late = real_run.late_step_s / real_run.modelled_step_s if real_run.modelled_step_s else 0
     print(f"sim engines' pacing: behind their cost model by {late:.1%} of "
           f"{real_run.modelled_step_s:.0f} modelled step-seconds")

@@ -116,11 +116,6 @@ class SimCheckpointer:
         # burst of a batch's prompts becoming full at once.
         self.sndhwm = max(64, SEND_QUEUE_BYTES // self.page_bytes)
         self._streamers: dict[str, CheckpointStreamer] = {}  # used on the I/O thread only
-        # Holders once connected (the event loop's): ZeroMQ reconnects by itself, so a request
-        # waits for a holder's connection only the first time, as the vLLM connector does.
-        # Asking the I/O thread each time queued every admission behind the pages of the
-        # prompts before it (bench/ckpt_overhead.py).
-        self._reached: set[str] = set()
         self._tally = StreamedTally()  # pages sent and dropped, for the counters (I/O thread)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-io")
 
@@ -168,26 +163,6 @@ class SimCheckpointer:
             streamer.poll_acks()
         self._count_streamed()
 
-    async def connect(self, plan: CheckpointPlan, within_s: float = 1.0) -> bool:
-        """Connect to the request's holder before it is admitted; at once for a holder
-        connected before. A slower first connection does not cost the checkpoint: its
-        pages wait for it up to ENGINE_CONNECT_GRACE_S."""
-        if plan.holder in self._reached:
-            return True
-        deadline = asyncio.get_running_loop().time() + within_s
-        while not await self._io_call(self._connected, plan.holder):
-            if asyncio.get_running_loop().time() > deadline:
-                log.warning("holder %s not reachable within %.1f s; request %s runs, its "
-                            "pages held for the holder up to %.0f s", plan.holder, within_s,
-                            plan.ckpt_id, ENGINE_CONNECT_GRACE_S)
-                return False
-            await asyncio.sleep(0.01)
-        self._reached.add(plan.holder)
-        return True
-
-    def _connected(self, holder: str) -> bool:
-        return self._streamer(holder).wait_connected(0)
-
     def save_new_blocks(self, request: SimRequest, plan: CheckpointPlan) -> None:
         """Queue the blocks that became full for the I/O thread (never blocks; drops are
         counted there)."""
@@ -226,7 +201,6 @@ class SimCheckpointer:
                       request_id: str = "") -> int:
         """Tokens of `prompt` whose KV the holder has, verified; at least one token is left
         to compute (the step that yields the next token)."""
-        await self.connect(plan)  # the request's FINISH goes through this connection
         restored = await asyncio.to_thread(self._fetch, prompt, plan, request_id)
         restored = min(restored, len(prompt) - 1)
         self.counters.restored_tokens += restored

@@ -108,6 +108,9 @@ StepCost = StepCoefficients
 # .REQUEST_LATENCY_BUCKETS), `vllm:request_prefill_time_seconds` among them.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# ... and for `vllm:time_to_first_token_seconds` (vllm.v1.metrics.loggers).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -30,9 +30,11 @@ class RequestOutput:
     processor), tokens after the end dropped, the text held back as vLLM holds it."""
 
     def __init__(self, gen: Generation, model: TokenModel, request: SimRequest,
-                 queue: asyncio.Queue[StepOutput | None]) -> None:
+                 queue: asyncio.Queue[StepOutput | None],
+                 on_first_token: Callable[[], None] | None = None) -> None:
         self.request = request
         self.queue = queue
+        self._on_first_token = on_first_token  # called once, as the first token goes out
         self.per_token = model.tokens_per_chunk == 1
         self.text = OutputText(model.vocab, gen.prompt, gen.stop,
                                gen.include_stop_str_in_output)
@@ -54,6 +56,8 @@ class RequestOutput:
                     self.finish, self.stop_reason = "stop", matched
                     self.request.cancelled = True  # the engine stops generating
                     self.request.finished = True
+                if tokens and not self.tokens and self._on_first_token is not None:
+                    self._on_first_token()
                 self.tokens += tokens
                 if self.positions is not None and positions is not None:
                     self.positions += positions

@@ -51,6 +51,7 @@ from lumend.engine.metric_names import (
 )
 from lumend.engine.sim_checkpoint import CheckpointPlan, SimCheckpointer
 from lumend.engine.sim_core import (
+    TTFT_BUCKETS,
     Histogram,
     Sampling,
     Scheduler,
@@ -120,6 +121,11 @@ class SimEngine:
         self._background: set[asyncio.Task[Any]] = set()
         self.requests_total = 0
         self.refused_total = 0
+        # vLLM's `vllm:time_to_first_token_seconds`: from the request's arrival at this
+        # engine's API server to its first token out, in wall-clock seconds (queueing and
+        # any lag behind the cost model included); a gateway's TTFT minus it is the
+        # serving path's share (bench/serving_overhead.py).
+        self.ttft = Histogram(TTFT_BUCKETS)
         self.memory = SleepState()  # vLLM-style sleep: what is freed, what wake restores
         self.weight_loads = {"disk": 0, "gms": 0}
         self._layout_hash: str | None = None
@@ -483,6 +489,8 @@ def build_app(engine: SimEngine) -> web.Application:
             # reads its sum / the computed prompt tokens as the prefill cost per token.
             *_histogram_lines("vllm:request_prefill_time_seconds",
                               f'model_name="{served[0]}"', s.prefill_time),
+            *_histogram_lines("vllm:time_to_first_token_seconds",
+                              f'model_name="{served[0]}"', engine.ttft),
             f"lumen_sim_sleeping {1 if engine.memory.sleeping else 0}",
             f'lumen_sim_weight_loads_total{{source="disk"}} {engine.weight_loads["disk"]}',
             f'lumen_sim_weight_loads_total{{source="gms"}} {engine.weight_loads["gms"]}',
@@ -547,6 +555,7 @@ def build_app(engine: SimEngine) -> web.Application:
         return web.json_response({"prompt": decode(engine.model.vocab, tokens)})
 
     async def completion(request: web.Request, chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()
         if engine.state != "active" or engine.memory.sleeping:
             engine.refused_total += 1
             state = "asleep" if engine.memory.sleeping else engine.state
@@ -566,14 +575,15 @@ def build_app(engine: SimEngine) -> web.Application:
         request_id = uuid.uuid4().hex  # also the checkpoint's owner while it runs here
         if plan is not None and plan.mode == "resume":
             restored = await engine.checkpointer.restore(gen.prompt, plan, request_id)
-        elif plan is not None:
-            await engine.checkpointer.connect(plan)
+        # A save plan never holds the request up: the pages it saves before its holder's
+        # first connection wait for it in the streamer (ENGINE_CONNECT_GRACE_S).
         sim_request, queue = engine.submit(gen.prompt, gen.max_tokens, restored=restored,
                                            plan=plan, request_id=request_id,
                                            sampling=gen.sampling)
         responses = Responses(gen, engine.model, opts.seed, served[0],
                               ("chatcmpl-" if chat else "cmpl-") + sim_request.id)
-        output = RequestOutput(gen, engine.model, sim_request, queue)
+        output = RequestOutput(gen, engine.model, sim_request, queue,
+                               lambda: engine.ttft.observe(time.monotonic() - arrived))
         try:
             if gen.stream:
                 return await stream(request, responses, output)

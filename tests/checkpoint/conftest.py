@@ -169,3 +169,13 @@ def put_header(**changes: Any) -> wire.Header:
         page_shape=list(LAYOUT.page_shape),
     )
     return msgspec.structs.replace(base, **changes)
+
+
+def held_blocks(holder: RunningHolder, ckpt_id: str) -> int:
+    """The checkpoint's consecutive blocks from block 0 that the holder has (what a resume
+    can use)."""
+    def count() -> int:
+        ckpt = holder.service.store.checkpoints.get(ckpt_id)
+        return 0 if ckpt is None else ckpt.reached.get(0, 0)
+
+    return holder.call(count)

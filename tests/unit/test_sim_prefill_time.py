@@ -173,10 +173,10 @@ def scrape(engine: Engine) -> str:
         return str(r.read().decode())
 
 
-def prefill_samples(text: str) -> dict[str, float]:
-    """The prefill histogram's samples as Prometheus' own parser reads them."""
-    [family] = [f for f in text_string_to_metric_families(text)
-                if f.name == "vllm:request_prefill_time_seconds"]
+def prefill_samples(text: str, name: str = "vllm:request_prefill_time_seconds"
+                    ) -> dict[str, float]:
+    """The prefill histogram's (or `name`'s) samples as Prometheus' own parser reads them."""
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == name]
     assert family.type == "histogram"
     out = {}
     for sample in family.samples:
@@ -258,3 +258,34 @@ def test_an_aborted_stream_adds_computed_tokens_but_no_prefill_time(sim_engine: 
     assert after.prefill_tokens - before.prefill_tokens == 300
     assert after.prefill_s == before.prefill_s
     assert prefill_samples(scrape(sim_engine))["count"] == count
+
+
+def test_the_engines_ttft_is_from_its_api_server_to_the_first_token_out(sim_engine: Engine
+                                                                         ) -> None:
+    """vLLM's `vllm:time_to_first_token_seconds`, wall clock: observed once per request as
+    its first token goes out (streamed or whole), at least the modelled steps before it and
+    at most what the client saw (the client's time holds the engine's: a gateway's TTFT
+    minus this is the serving path's share, bench/serving_overhead.py)."""
+    name = "vllm:time_to_first_token_seconds"
+    before = prefill_samples(scrape(sim_engine), name)
+    prompt = "".join(chr(65 + i % 26) for i in range(700))
+    tokens = len(sim_engine.tokens(prompt))
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True}).encode()
+    req = urllib.request.Request(sim_engine.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    sent = time.monotonic()
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.readline()
+        client_ttft = time.monotonic() - sent
+        r.read()
+    streamed = prefill_samples(scrape(sim_engine), name)
+    assert streamed["count"] - before["count"] == 1
+    engine_ttft = streamed["sum"] - before["sum"]
+    print(f"client {client_ttft * 1e3:.1f} ms, engine {engine_ttft * 1e3:.1f} ms, model "
+          f"{SCALE * prefill_steps(tokens) * 1e3:.1f} ms")
+    assert SCALE * prefill_steps(tokens) <= engine_ttft <= client_ttft
+    sim_engine.ok("/v1/completions", {"prompt": prompt, "max_tokens": 4})  # whole
+    whole = prefill_samples(scrape(sim_engine), name)
+    assert whole["count"] - streamed["count"] == 1
+    assert whole["sum"] - streamed["sum"] >= SCALE * prefill_steps(tokens)
+    assert whole["le=+Inf"] == whole["count"]

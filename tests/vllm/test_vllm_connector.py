@@ -28,7 +28,7 @@ from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 from lumend.engine.adapter import LUMEN_KV_TRANSFER_CONFIG, parse_load
 from lumend.engine.step_fit import StepFitSums, solve
 
-from ..checkpoint.conftest import RunningHolder
+from ..checkpoint.conftest import RunningHolder, held_blocks
 from .conftest import VLLM_ARGS, VLLM_ENV
 
 pytestmark = pytest.mark.timeout(1200)
@@ -151,14 +151,6 @@ def holder() -> Iterator[RunningHolder]:
         yield running
     finally:
         running.stop()
-
-
-def held_blocks(holder: RunningHolder, ckpt_id: str) -> int:
-    def count() -> int:
-        ckpt = holder.service.store.checkpoints.get(ckpt_id)
-        return 0 if ckpt is None else ckpt.reached.get(0, 0)
-
-    return holder.call(count)
 
 
 def scrambled_copy(holder: RunningHolder, ckpt_id: str, blocks: int) -> list[dict[str, Any]]:
