@@ -56,19 +56,11 @@ def engine_starts(node: LumendNode) -> int:
     return len(STARTED.findall(node.log_text()))
 
 
-def metrics_address(node: LumendNode) -> str:
-    text = node.config_path.read_text()
-    section = text.split("[metrics]", 1)[1]
-    match = re.search(r'listen = "([^"]+)"', section)
-    assert match is not None
-    return match.group(1)
-
-
 def scrape(node: LumendNode) -> dict[str, float]:
     """The node's gateway counters now (zeros while it does not answer)."""
     found = dict.fromkeys(COUNTERS, 0.0)
     try:
-        with urllib.request.urlopen(f"http://{metrics_address(node)}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(node.metrics_url, timeout=5) as r:
             for line in r.read().decode().splitlines():
                 series, _, value = line.rpartition(" ")
                 name = series.split("{", 1)[0]  # the histograms are by model_name
@@ -81,7 +73,7 @@ def scrape(node: LumendNode) -> dict[str, float]:
 
 def gateway_streams(node: LumendNode) -> float:
     total = 0.0
-    with urllib.request.urlopen(f"http://{metrics_address(node)}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(node.metrics_url, timeout=5) as r:
         for line in r.read().decode().splitlines():
             if line.startswith("lumen_gateway_streams_in_flight{"):
                 total += float(line.rsplit(" ", 1)[1])

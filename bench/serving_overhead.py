@@ -38,7 +38,6 @@ import statistics
 import sys
 import tempfile
 import time
-import tomllib
 import urllib.request
 from collections import defaultdict
 from collections.abc import Sequence
@@ -80,23 +79,43 @@ def fetch(url: str) -> str:
         return str(response.read().decode())
 
 
-def node_metrics_urls(cluster: LocalCluster) -> list[str]:
-    return [f"http://{tomllib.loads(n.config_path.read_text())['metrics']['listen']}/metrics"
-            for n in cluster.nodes]
-
-
 def snapshot(cluster: LocalCluster) -> dict[str, float]:
-    total: dict[str, float] = defaultdict(float)
-    for url in node_metrics_urls(cluster):
-        for k, v in parse_metrics(fetch(url), GATEWAY_SERIES).items():
-            total[k] += v
+    """The series per source, "SOURCE|name" (a node's gateway by node name, an engine as
+    "worker@URL#pid"): an engine that restarts, on the same URL or not, starts its own from
+    zero, and `change` counts a new source from zero."""
+    out: dict[str, float] = {}
+    for node in cluster.nodes:
+        for k, v in parse_metrics(fetch(node.metrics_url), GATEWAY_SERIES).items():
+            out[f"{node.name}|{k}"] = v
     view = read_view(cluster.endpoints, cluster.cluster)
     for worker in view.workers.values():
         for engine in worker.engines:
             if engine.state == "active":
                 text = fetch(engine.url + "/metrics")
                 for k, v in parse_metrics(text, ENGINE_SERIES, ENGINE_COUNTERS).items():
-                    total[k] += v
+                    out[f"{worker.name}@{engine.url}#{engine.pid}|{k}"] = v
+    return out
+
+
+def engine_changes(after: dict[str, float], before: dict[str, float]
+                   ) -> dict[str, dict[str, float]]:
+    """`change` per worker: what each worker's engines still there observed."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for key, value in after.items():
+        source, _, name = key.partition("|")
+        worker, at, _ = source.partition("@")
+        if at:
+            out[worker][name] += value - before.get(key, 0.0)
+    return out
+
+
+def change(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """What every source still there observed between two snapshots, summed by series (a
+    source gone since, such as a killed engine, is left out: what it observed in between
+    is lost)."""
+    total: dict[str, float] = defaultdict(float)
+    for key, value in after.items():
+        total[key.partition("|")[2]] += value - before.get(key, 0.0)
     return total
 
 
@@ -150,7 +169,7 @@ def run_rate(cluster: LocalCluster, rate: float, args: argparse.Namespace) -> Ro
     loop_lag = asyncio.run(replay_measuring_lag(run))
     time.sleep(1.0)  # the last requests' histograms are observed as their streams end
     after = snapshot(cluster)
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    delta = change(after, before)
     ok = [o for o in run.outcomes if not o.error and o.token_times]
     gateway_s, gateway_n = mean_of(delta, "lumen_gateway_ttft_seconds")
     engine_s, engine_n = mean_of(delta, "vllm:time_to_first_token_seconds")

@@ -46,8 +46,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -73,7 +74,7 @@ from lumend.sim.sweep import request_seconds
 from lumend.sim.workload import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the serving-path scrape
-from serving_overhead import mean_of, snapshot
+from serving_overhead import change, engine_changes, mean_of, snapshot
 
 VICTIM = "node-2-w0"
 MODELS = ("sim-medium", "sim-small")  # the same step costs; sim-medium restarts in 6 s x scale
@@ -99,6 +100,7 @@ class Served:
     last: float
     tokens: int
     interrupted: bool
+    worker: int = -1  # simulated: the worker (in name order) it finished on
 
     @property
     def ttft(self) -> float:
@@ -187,9 +189,9 @@ class RealRun:
     late_step_s: float  # time the engines fell behind that and gave up
     idle_ttft_direct_s: float  # a lone request straight to an engine
     idle_ttft_gateway_s: float  # the same through a gateway
-    # Before the fault (first tokens out by SPLIT_BEFORE_FAULT_S before it), mean TTFT as
-    # the gateways and the engines observed it, and until when (s into the trace).
-    split: ServingSplit | None
+    # Mean TTFT as the gateways and the engines observed it, before the fault (first tokens
+    # out by SPLIT_BEFORE_FAULT_S before it) and after.
+    splits: list[ServingSplit]
     # VICTIM's place among the workers in the coordinator's order (by name), which the
     # simulator's workers follow: admission breaks ties by that order, and which worker the
     # ties favour decides how many requests the killed one holds (seed 17,
@@ -231,35 +233,56 @@ SPLIT_BEFORE_FAULT_S = 1.0
 
 @dataclass(frozen=True)
 class ServingSplit:
-    """Mean TTFT before the fault at the gateways (request in to first token out) and at
-    the engines (arrival at the engine's API server to first token out), over the first
-    tokens out by `until` (s into the trace): the real side's serving path is
-    client - engine, the engines' own queueing and batching are in `engine_s`."""
+    """Mean TTFT at the gateways (request in to first token out) and at the engines
+    (arrival at the engine's API server to first token out) over the first tokens out
+    between `since` and `until` (s into the trace): the real side's serving path is
+    client - engine; the engines' own queueing and batching are in `engine_s`. After the
+    fault the engines also count each resumed request's first token on its new engine (a
+    request the gateways count once), and the killed engine's last second is lost."""
 
+    since: float
     until: float
     gateway_s: float
     engine_s: float
     counted: tuple[int, int]  # first tokens the gateways and the engines observed
+    # Per worker (by name): first tokens its engines observed and their mean TTFT, which
+    # shows how admission spread the requests.
+    workers: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(after: dict[str, float], before: dict[str, float], since: float, until: float
+           ) -> ServingSplit:
+        delta = change(after, before)
+        gateway_s, gateway_n = mean_of(delta, "lumen_gateway_ttft_seconds")
+        engine_s, engine_n = mean_of(delta, "vllm:time_to_first_token_seconds")
+        workers = {}
+        for worker, series in sorted(engine_changes(after, before).items()):
+            mean, count = mean_of(series, "vllm:time_to_first_token_seconds")
+            workers[worker] = (count, mean)
+        return ServingSplit(since, until, gateway_s, engine_s, (gateway_n, engine_n),
+                            workers)
 
 
 class SplitWatch:
-    """Scrapes the gateways' and engines' TTFT histograms SPLIT_BEFORE_FAULT_S before the
-    fault, against a scrape taken before the trace (`before`)."""
+    """Scrapes the gateways' and engines' TTFT histograms before the trace, SPLIT_BEFORE_
+    FAULT_S before the fault and (`end`) after the trace: the split before and after."""
 
     def __init__(self, cluster: LocalCluster) -> None:
-        self.before = snapshot(cluster)
-        self.split: ServingSplit | None = None
+        self.start = snapshot(cluster)
+        self.at_fault: dict[str, float] | None = None
+        self.splits: list[ServingSplit] = []
 
     async def __call__(self, run: Replay) -> None:
         assert run.fault_at is not None
-        until = run.fault_at - SPLIT_BEFORE_FAULT_S
-        await asyncio.sleep(max(0.0, until - run.now()))
+        await asyncio.sleep(max(0.0, run.fault_at - SPLIT_BEFORE_FAULT_S - run.now()))
         at = run.now()
-        after = await asyncio.to_thread(snapshot, run.cluster)
-        delta = {k: after.get(k, 0.0) - self.before.get(k, 0.0) for k in after}
-        gateway_s, gateway_n = mean_of(delta, "lumen_gateway_ttft_seconds")
-        engine_s, engine_n = mean_of(delta, "vllm:time_to_first_token_seconds")
-        self.split = ServingSplit(at, gateway_s, engine_s, (gateway_n, engine_n))
+        self.at_fault = await asyncio.to_thread(snapshot, run.cluster)
+        self.splits.append(ServingSplit.of(self.at_fault, self.start, 0.0, at))
+
+    def end(self, cluster: LocalCluster, now: float) -> None:
+        if self.at_fault is not None:
+            self.splits.append(ServingSplit.of(snapshot(cluster), self.at_fault,
+                                               self.splits[0].until, now))
 
 
 class BackWatch:
@@ -303,6 +326,8 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
             await asyncio.gather(watch(run), split(run))
 
         asyncio.run(run.run(both))
+        time.sleep(1.0)  # the last streams' histograms are observed as they end
+        split.end(cluster, run.now())
         assert run.fault is not None
         back = None if watch.back_at is None else watch.back_at - run.fault
         routed = len(decisions.new())
@@ -313,7 +338,7 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
         late = engine_metric_sum(engines, "lumen_sim_step_late_seconds_total")
         victim = sorted(read_view(cluster.endpoints, cluster.cluster).workers).index(VICTIM)
         return RealRun(run.outcomes, run.fault, back, routed, modelled, late, direct, through,
-                       split.split, victim)
+                       split.splits, victim)
     finally:
         cluster.stop()
 
@@ -354,7 +379,8 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
                                victim=victim)
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)
-    out = [Served(r.arrival, r.first_token, r.finish, r.output, r.interrupted_at >= 0)
+    out = [Served(r.arrival, r.first_token, r.finish, r.output, r.interrupted_at >= 0,
+                  r.worker)
            for r in result.requests if r.finish >= 0]
     assert cfg.reload_s is not None and result.fault is not None
     return out, cfg.reload_s, result.fault.cut_off
@@ -484,12 +510,16 @@ def main() -> None:
                         help="the trace's seeds (several: a summary over them follows)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the cluster's logs here (default: a temporary directory)")
+    parser.add_argument("--overhead", choices=("loaded", "idle"), default="loaded",
+                        help="the serving overhead the simulator is given: client - engine "
+                        "TTFT under load before the fault (runs saved before the engines "
+                        "exported their TTFT fall back to idle), or the idle probe's")
     parser.add_argument("--resimulate", type=Path, default=None, metavar="SAVED.json",
                         help="no cluster: simulate again the real runs a --save wrote (after "
                         "a change to the simulator) and compare with their real side")
     args = parser.parse_args()
     if args.resimulate is not None:
-        resimulate(args.resimulate)
+        resimulate(args.resimulate, args.overhead)
         return
     runs: list[Validation] = []
     saved: list[dict[str, object]] = []
@@ -511,7 +541,7 @@ def main() -> None:
 SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup")
 
 
-def resimulate(path: Path) -> list[Validation]:
+def resimulate(path: Path, which: str = "loaded") -> list[Validation]:
     """The simulated side of every run in `path` (a --save file, or it gzipped) again, with
     the simulator as it is now, against the real side measured then."""
     try:
@@ -529,16 +559,22 @@ def resimulate(path: Path) -> list[Validation]:
         try:
             args = argparse.Namespace(**record["settings"], policy=record["policy"])
             given, fault = record["given"], record["fault"]
+            splits = [ServingSplit(**x) for x in record.get("splits", [])]
+            served = [Served(**x) for x in record.get("real", [])]
+            overhead, source = given_overhead_s(given, splits, served, which)
             simulated, reload_s, cut_off = run_sim(
                 [tuple(x) for x in record["sent"]], fault, given["victim"],
-                given["process_start_s"], given["overhead_s"], args)
+                given["process_start_s"], overhead, args)
             real = Side(**record["metrics"]["real"])
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"{path}: seed {record.get('seed')}: a malformed record "
                              f"({type(exc).__name__}: {exc}); run it again with --save") from None
         sim = measure(simulated, fault, args.warmup, reload_s, cut_off)
-        print(f"seed {record['seed']}, policy {record['policy']} (real side as saved):")
+        print(f"seed {record['seed']}, policy {record['policy']} (real side as saved; "
+              f"serving overhead {overhead * 1000:.1f} ms, {source}):")
         print(table(real, sim))
+        for split in splits:
+            print(split_line(split, served, simulated))
         runs.append(Validation(record["seed"], record["policy"], real, sim))
     if len(runs) > 1:
         print(f"\nsummary over {len(runs)} runs (within = |sim / real - 1| <= "
@@ -547,22 +583,63 @@ def resimulate(path: Path) -> list[Validation]:
     return runs
 
 
+def mean_ttft_between(served: Sequence[Served], since: float, until: float) -> float | None:
+    """Mean TTFT of the requests whose first token came out in (since, until]."""
+    ttfts = [x.ttft for x in served if since < x.first <= until]
+    return statistics.fmean(ttfts) if ttfts else None
+
+
+def loaded_overhead_s(real: Sequence[Served], split: ServingSplit) -> float | None:
+    """The serving path under load: the clients' mean TTFT minus the engines' own over the
+    first tokens `split` covers (before the fault)."""
+    client = mean_ttft_between(real, split.since, split.until)
+    if client is None or not split.counted[1]:
+        return None
+    return max(0.0, client - split.engine_s)
+
+
 def split_line(split: ServingSplit, real: Sequence[Served], simulated: Sequence[Served]
                ) -> str:
-    """Where the real side's time went before the fault, against the simulated side over
-    the same first tokens (out by `split.until`)."""
-    def mean_ttft(served: Sequence[Served]) -> float:
-        ttfts = [x.ttft for x in served if x.first <= split.until]
-        return statistics.fmean(ttfts) if ttfts else float("nan")
-
-    client, sim = mean_ttft(real), mean_ttft(simulated)
+    """Where the real side's time went, against the simulated side over the same first
+    tokens (out between `split.since` and `split.until`)."""
+    nan = float("nan")
+    client = mean_ttft_between(real, split.since, split.until) or nan
+    sim = mean_ttft_between(simulated, split.since, split.until) or nan
     ms = 1000
-    return (f"before the fault (first tokens by {split.until:.1f} s): mean TTFT real "
+    return (f"first tokens {split.since:.1f}-{split.until:.1f} s: mean TTFT real "
             f"{client * ms:.1f} ms at the client, {split.gateway_s * ms:.1f} at the gateways, "
             f"{split.engine_s * ms:.1f} at the engines ({split.counted[0]}/{split.counted[1]} "
-            f"observed); simulated {sim * ms:.1f} ms; serving path (client - engine) "
+            f"observed); simulated {sim * ms:.1f} ms; client - engine "
             f"{(client - split.engine_s) * ms:.1f} ms, engines - simulated "
-            f"{(split.engine_s - sim) * ms:.1f} ms")
+            f"{(split.engine_s - sim) * ms:.1f} ms{per_worker(split, simulated)}")
+
+
+def per_worker(split: ServingSplit, simulated: Sequence[Served]) -> str:
+    """Each worker's first tokens and mean TTFT at its engines, real / simulated (the
+    simulated worker i is the i-th real one by name, as the coordinator orders them)."""
+    parts = []
+    for i, (name, (count, mean)) in enumerate(sorted(split.workers.items())):
+        mine = [x.ttft for x in simulated
+                if x.worker == i and split.since < x.first <= split.until]
+        sim = statistics.fmean(mine) if mine else float("nan")
+        parts.append(f"{name} {count} / {len(mine)} requests, {mean * 1000:.0f} / "
+                     f"{sim * 1000:.0f} ms")
+    if not parts:
+        return ""
+    return "; per worker, real / simulated (with the overhead): " + ", ".join(parts)
+
+
+def given_overhead_s(given: dict[str, Any], splits: Sequence[ServingSplit],
+                     real: Sequence[Served], which: str) -> tuple[float, str]:
+    """The serving overhead the simulator is given, and what it is: under load (`loaded`:
+    client - engine TTFT before the fault) where the run measured it, else the idle probe
+    (runs saved before the engines exported their TTFT)."""
+    idle = float(given.get("idle_overhead_s", given["overhead_s"]))
+    if which == "loaded" and splits:
+        loaded = loaded_overhead_s(real, splits[0])
+        if loaded is not None:
+            return loaded, "under load"
+    return idle, "idle probe"
 
 
 def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
@@ -587,7 +664,10 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     process_start = max(0.0, back - init_s) if back is not None else 0.0
     probe_tokens = PROBE_TOKENS + len("probe 00 ")
     modelled_lone = lone_ttft_s(args.model, probe_tokens, args.time_scale)
-    overhead = max(0.0, real_run.idle_ttft_gateway_s - modelled_lone)
+    idle_overhead = max(0.0, real_run.idle_ttft_gateway_s - modelled_lone)
+    served = real_served(real_run.outcomes)
+    overhead, source = given_overhead_s({"overhead_s": idle_overhead}, real_run.splits,
+                                        served, args.overhead)
     sent = sent_requests(real_run.outcomes)
     simulated, reload_s, cut_off = run_sim(sent, fault, real_run.victim_index, process_start,
                                            overhead, args)
@@ -598,9 +678,10 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
         "seed": args.seed, "policy": args.policy, "fault": fault,
         "settings": {name: getattr(args, name) for name in SETTINGS},
         "given": {"process_start_s": process_start, "overhead_s": overhead,
+                  "idle_overhead_s": idle_overhead,
                   "victim": real_run.victim_index},
         "sent": sent,
-        "split": None if real_run.split is None else asdict(real_run.split),
+        "splits": [asdict(x) for x in real_run.splits],
         "metrics": {"real": asdict(real), "simulated": asdict(sim)},
         "real": [asdict(x) for x in real_served(real_run.outcomes)],
         "simulated": [asdict(x) for x in simulated]}
@@ -615,13 +696,15 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     print(table(real, sim))
     print(f"simulator given: restart = process start {process_start:.2f} s (measured: real "
           f"kill-to-serving minus the model's {init_s:g} s init) + init; serving overhead "
-          f"{overhead * 1000:.0f} ms per request (measured: a lone {probe_tokens}-token "
+          f"{overhead * 1000:.1f} ms per request ({source}: under load, the clients' mean "
+          f"TTFT minus the engines' before the fault; the idle probe gave "
+          f"{idle_overhead * 1000:.0f} ms: a lone {probe_tokens}-token "
           f"request's TTFT through a gateway, {real_run.idle_ttft_gateway_s * 1000:.0f} ms, "
           f"minus the model's {modelled_lone * 1000:.0f} ms; straight to an engine "
           f"{real_run.idle_ttft_direct_s * 1000:.0f} ms; idle cluster, {PROBES} each); "
           f"restores {args.restore_mbps:g} MB/s beside the engine")
-    if real_run.split is not None:
-        print(split_line(real_run.split, real_served(real_run.outcomes), simulated))
+    for split in real_run.splits:
+        print(split_line(split, real_served(real_run.outcomes), simulated))
     late = real_run.late_step_s / real_run.modelled_step_s if real_run.modelled_step_s else 0
     print(f"sim engines' pacing: behind their cost model by {late:.1%} of "
           f"{real_run.modelled_step_s:.0f} modelled step-seconds")

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +249,12 @@ class LumendNode:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    @property
+    def metrics_url(self) -> str:
+        """The node's Prometheus endpoint (gateway, holder and lumend metrics)."""
+        listen = tomllib.loads(self.config_path.read_text())["metrics"]["listen"]
+        return f"http://{listen}/metrics"
 
     @property
     def running(self) -> bool:

@@ -133,3 +133,28 @@ def test_the_victim_placed_first_takes_the_simulator_away_from_the_real_runs(
     worst = max(runs, key=lambda run: abs(run.sim.ttft_s / run.real.ttft_s - 1))
     assert (worst.seed, worst.policy) == (17, "stop_and_restart")
     assert abs(worst.sim.ttft_s / worst.real.ttft_s - 1) > 0.10
+
+
+def test_the_simulator_is_given_the_serving_path_under_load_where_a_run_measured_it() -> None:
+    """Client - engine mean TTFT over the first tokens before the fault (the engines'
+    queueing is the simulator's to model, not given); the idle probe for runs saved
+    before the engines exported their TTFT, when asked for, or when no engine counted."""
+    v = load_bench()
+    # Three requests with first tokens by 40 s: client TTFTs 0.30, 0.40, 0.50 s (mean 0.40);
+    # one after: not in the window.
+    real = [v.Served(t, t + ttft, t + 5, 50, False)
+            for t, ttft in ((1.0, 0.3), (10.0, 0.4), (20.0, 0.5), (45.0, 2.0))]
+    split = v.ServingSplit(0.0, 40.0, 0.39, 0.38, (3, 3), {"w0": (2, 0.4), "w1": (1, 0.34)})
+    given = {"overhead_s": 0.030}
+    overhead, source = v.given_overhead_s(given, [split], real, "loaded")
+    assert overhead == pytest.approx(0.02) and source == "under load"
+    assert v.given_overhead_s(given, [split], real, "idle") == (0.030, "idle probe")
+    assert v.given_overhead_s(given, [], real, "loaded") == (0.030, "idle probe")
+    uncounted = v.ServingSplit(0.0, 40.0, 0.39, float("nan"), (3, 0))
+    assert v.given_overhead_s(given, [uncounted], real, "loaded") == (0.030, "idle probe")
+    # A record written by this bench keeps the idle probe beside what it used.
+    assert v.given_overhead_s({"overhead_s": 0.02, "idle_overhead_s": 0.03}, [], real,
+                              "idle") == (0.03, "idle probe")
+    line = v.split_line(split, real, [v.Served(t, t + 0.45, t + 5, 50, False, i % 2)
+                                      for i, t in enumerate((1.0, 10.0, 20.0))])
+    assert "client - engine 20.0 ms" in line and "w0 2 / 2 requests, 400 / 450 ms" in line
