@@ -5,7 +5,8 @@ The validation (`bench/validate_sim.py`) found the real cluster's mean TTFT abov
 simulated one by more at higher load (+0.02 s before the fault, +0.05 s after the worker is
 back), while the simulator adds one serving overhead measured on the idle cluster. This
 bench measures that overhead under load and splits it by where it arises: one cluster, a
-failure-free trace at each arrival rate in turn, and per rate the mean TTFT as
+failure-free trace at each arrival rate in turn (under each recovery mode: LUMEN's
+checkpoint streaming runs in the same processes), and per rate the mean TTFT as
 
 - the client sees it (send to first token, this process),
 - the gateways report it (`lumen_gateway_ttft_seconds`: the request in to its first token
@@ -13,8 +14,10 @@ failure-free trace at each arrival rate in turn, and per rate the mean TTFT as
   "admit"}`),
 - the engines report it (`vllm:time_to_first_token_seconds`: the request's arrival at the
   engine's API server to its first token out; the engine's queueing and batching, which
-  the simulator models, are in here, and so is any lag behind the cost model, shown
-  separately from `lumen_sim_step_late_seconds_total`),
+  the simulator models, are in here, and so is any lag behind the cost model: the steps
+  given up (`lumen_sim_step_late_seconds_total`) and the mean overrun per step, how far
+  past its scheduled end each step was committed and its tokens sent
+  (`lumen_sim_step_overrun_seconds_total`: a busy event loop or CPU wakes the engine late),
 
 and their differences: client - gateway (the client's and the gateway's HTTP, and this
 process's own event loop, whose lag is measured by a 10 ms ticker), gateway - engine (the
@@ -23,10 +26,10 @@ the simulator needs is client - engine; the bench fits it against the streams in
 (Little's law: arrivals per second x mean end-to-end seconds) and prints the line.
 
     python bench/serving_overhead.py [--rates 0.5 1.5 2.5 3.0] [--duration 40]
-        [--mode lumen] [--model sim-medium] [--time-scale 8] [--seed 7]
+        [--modes lumen stop_and_restart] [--model sim-medium] [--time-scale 8] [--seed 7]
 
 Asserts nothing; prints a table and the fit. Needs the etcd binary. About 1 minute to start
-plus rates x (duration + ~15 s).
+plus modes x rates x (duration + ~15 s).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from lumenctl.recovery import Replay, lumenctl, read_view, trace, wait_whole
 
 GATEWAY_SERIES = ("lumen_gateway_ttft_seconds", "lumen_gateway_decision_seconds")
 ENGINE_SERIES = ("vllm:time_to_first_token_seconds",)
-ENGINE_COUNTERS = ("lumen_sim_step_late_seconds_total", "lumen_sim_step_seconds_total")
+ENGINE_COUNTERS = ("lumen_sim_step_late_seconds_total", "lumen_sim_step_seconds_total",
+                   "lumen_sim_step_overrun_seconds_total", "lumen_sim_steps_total")
 TICK_S = 0.01
 
 
@@ -126,6 +130,7 @@ def mean_of(delta: dict[str, float], histogram: str) -> tuple[float, int]:
 
 @dataclass(frozen=True)
 class Row:
+    mode: str
     rate: float
     in_flight: float  # streams in flight on average (Little's law)
     completed: int
@@ -135,6 +140,7 @@ class Row:
     admit_s: float
     counted: tuple[int, int]  # first tokens the gateways and the engines observed
     late_s: float  # the engines' lag behind their cost model, summed
+    overrun_s: float  # mean per step: committed past its scheduled end (StepClock.ended)
     loop_lag_s: float  # this process's event loop: mean overshoot of a 10 ms sleep
     load: float
 
@@ -162,7 +168,8 @@ async def replay_measuring_lag(run: Replay) -> float:
     return statistics.fmean(lags) if lags else 0.0
 
 
-def run_rate(cluster: LocalCluster, rate: float, args: argparse.Namespace) -> Row:
+def run_rate(cluster: LocalCluster, mode: str, rate: float, args: argparse.Namespace
+             ) -> Row:
     requests = trace(args.seed, args.duration, rate, tuple(args.prompt), tuple(args.output))
     before = snapshot(cluster)
     run = Replay(cluster, requests, None, "")
@@ -176,10 +183,12 @@ def run_rate(cluster: LocalCluster, rate: float, args: argparse.Namespace) -> Ro
     admit_s, _ = mean_of(delta, "lumen_gateway_decision_seconds")
     e2e = [o.token_times[-1] - o.sent_at for o in ok]
     span = max(o.request.at for o in run.outcomes) if run.outcomes else args.duration
-    return Row(rate, len(ok) / max(span, 1e-9) * statistics.fmean(e2e), len(ok),
+    steps = delta.get("lumen_sim_steps_total", 0.0)
+    overrun = delta.get("lumen_sim_step_overrun_seconds_total", 0.0) / steps if steps else 0.0
+    return Row(mode, rate, len(ok) / max(span, 1e-9) * statistics.fmean(e2e), len(ok),
                statistics.fmean(o.ttft for o in ok), gateway_s, engine_s, admit_s,
                (gateway_n, engine_n), delta.get("lumen_sim_step_late_seconds_total", 0.0),
-               loop_lag, os.getloadavg()[0])
+               overrun, loop_lag, os.getloadavg()[0])
 
 
 def fit(rows: Sequence[Row]) -> tuple[float, float]:
@@ -193,23 +202,26 @@ def fit(rows: Sequence[Row]) -> tuple[float, float]:
 
 def report(rows: Sequence[Row]) -> str:
     ms = 1e3
-    lines = [f"{'rate/s':>6} {'streams':>7} {'done':>5} {'client':>7} {'gateway':>7} "
+    lines = [f"{'mode':<16} {'rate/s':>6} {'streams':>7} {'done':>5} {'client':>7} {'gateway':>7} "
              f"{'engine':>7} {'cl-gw':>6} {'gw-eng':>6} {'admit':>6} {'cl-eng':>6} "
-             f"{'late s':>6} {'loop':>5} {'counted':>9} {'load':>5}",
-             f"{'':>6} {'':>7} {'':>5} {'(mean TTFT, ms)':>23} {'(ms)':>20} {'':>6} "
-             f"{'':>6} {'(ms)':>5}"]
+             f"{'late s':>6} {'overrun':>7} {'loop':>5} {'counted':>9} {'load':>5}",
+             f"{'':<16} {'':>6} {'':>7} {'':>5} {'(mean TTFT, ms)':>23} {'(ms)':>20} "
+             f"{'':>6} {'':>6} {'ms/step':>7} {'(ms)':>5}"]
     for r in rows:
         lines.append(
-            f"{r.rate:>6.2f} {r.in_flight:>7.1f} {r.completed:>5} {r.client_s * ms:>7.0f} "
-            f"{r.gateway_s * ms:>7.0f} {r.engine_s * ms:>7.0f} "
+            f"{r.mode:<16} {r.rate:>6.2f} {r.in_flight:>7.1f} {r.completed:>5} "
+            f"{r.client_s * ms:>7.0f} {r.gateway_s * ms:>7.0f} {r.engine_s * ms:>7.0f} "
             f"{(r.client_s - r.gateway_s) * ms:>6.1f} {(r.gateway_s - r.engine_s) * ms:>6.1f} "
             f"{r.admit_s * ms:>6.1f} {r.overhead_s * ms:>6.1f} {r.late_s:>6.2f} "
+            f"{r.overrun_s * ms:>7.2f} "
             f"{r.loop_lag_s * ms:>5.1f} {r.counted[0]:>4}/{r.counted[1]:<4} {r.load:>5.2f}")
-    if len(rows) >= 2:
-        a, b = fit(rows)
-        lines.append(f"serving overhead (client - engine) ~= {a * ms:.1f} ms + "
-                     f"{b * ms:.2f} ms x streams in flight (least squares over {len(rows)} "
-                     f"rates)")
+    for mode in dict.fromkeys(r.mode for r in rows):
+        mine = [r for r in rows if r.mode == mode]
+        if len(mine) >= 2:
+            a, b = fit(mine)
+            lines.append(f"{mode}: serving overhead (client - engine) ~= {a * ms:.1f} ms + "
+                         f"{b * ms:.2f} ms x streams in flight (least squares over "
+                         f"{len(mine)} rates)")
     return "\n".join(lines)
 
 
@@ -218,7 +230,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.5, 2.5, 3.0],
                         help="arrivals per second, all gateways together, one block each")
     parser.add_argument("--duration", type=float, default=40.0, help="trace per rate, s")
-    parser.add_argument("--mode", default="lumen", help="the cluster's recovery mode")
+    parser.add_argument("--modes", nargs="+", default=["lumen", "stop_and_restart"],
+                        help="the cluster's recovery modes, each over every rate")
     parser.add_argument("--prompt", type=int, nargs=2, default=(600, 1400))
     parser.add_argument("--output", type=int, nargs=2, default=(100, 200))
     parser.add_argument("--time-scale", type=float, default=8.0)
@@ -235,13 +248,15 @@ def main() -> None:
     try:
         cluster.start()
         wait_whole(cluster, 0)
-        lumenctl(cluster, "config", "set", "mode", args.mode, "--yes")
-        time.sleep(3.0)
-        for rate in args.rates:
-            row = run_rate(cluster, rate, args)
-            rows.append(row)
-            print(f"rate {rate:g}/s: client {row.client_s:.3f} s, engine {row.engine_s:.3f} s, "
-                  f"load {row.load:.2f}", file=sys.stderr, flush=True)
+        for mode in args.modes:
+            lumenctl(cluster, "config", "set", "mode", mode, "--yes")
+            time.sleep(3.0)
+            for rate in args.rates:
+                row = run_rate(cluster, mode, rate, args)
+                rows.append(row)
+                print(f"{mode} at {rate:g}/s: client {row.client_s:.3f} s, engine "
+                      f"{row.engine_s:.3f} s, load {row.load:.2f}", file=sys.stderr,
+                      flush=True)
     finally:
         cluster.stop()
     print(report(rows))

@@ -248,6 +248,9 @@ class ServingSplit:
     # Per worker (by name): first tokens its engines observed and their mean TTFT, which
     # shows how admission spread the requests.
     workers: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # The engines' mean overrun per step (`lumen_sim_step_overrun_seconds_total`): how far
+    # past its scheduled end a step was committed, its tokens with it.
+    overrun_s: float = float("nan")
 
     @staticmethod
     def of(after: dict[str, float], before: dict[str, float], since: float, until: float
@@ -259,8 +262,11 @@ class ServingSplit:
         for worker, series in sorted(engine_changes(after, before).items()):
             mean, count = mean_of(series, "vllm:time_to_first_token_seconds")
             workers[worker] = (count, mean)
+        steps = delta.get("lumen_sim_steps_total", 0.0)
+        overrun = (delta.get("lumen_sim_step_overrun_seconds_total", 0.0) / steps if steps
+                   else float("nan"))
         return ServingSplit(since, until, gateway_s, engine_s, (gateway_n, engine_n),
-                            workers)
+                            workers, overrun)
 
 
 class SplitWatch:
@@ -611,7 +617,8 @@ def split_line(split: ServingSplit, real: Sequence[Served], simulated: Sequence[
             f"{split.engine_s * ms:.1f} at the engines ({split.counted[0]}/{split.counted[1]} "
             f"observed); simulated {sim * ms:.1f} ms; client - engine "
             f"{(client - split.engine_s) * ms:.1f} ms, engines - simulated "
-            f"{(split.engine_s - sim) * ms:.1f} ms{per_worker(split, simulated)}")
+            f"{(split.engine_s - sim) * ms:.1f} ms; steps committed {split.overrun_s * ms:.1f} "
+            f"ms past their end on average{per_worker(split, simulated)}")
 
 
 def per_worker(split: ServingSplit, simulated: Sequence[Served]) -> str:

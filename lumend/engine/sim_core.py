@@ -147,11 +147,17 @@ class StepClock:
     tokens, saving checkpoint blocks), which would otherwise add to every modelled step.
     A step that starts more than one step's length behind restarts the clock from now
     (no burst of short steps to catch up); the time given up is `late_s`. `idle()` when
-    the engine runs out of work: the next step starts when it is asked for."""
+    the engine runs out of work: the next step starts when it is asked for.
+
+    `ended(now)` when a step's wait is over: how far past its scheduled end the engine
+    got to commit it is `overrun_s` (a busy event loop or CPU wakes it late). Each step's
+    tokens go out that late, though the next step still ends on schedule, so an overrun
+    under a step is in every TTFT and TPOT and never in `late_s`."""
 
     end: float | None = None
     modelled_s: float = 0.0  # every step's modelled (time-scaled) seconds
     late_s: float = 0.0  # wall seconds the engine fell behind its model and gave up
+    overrun_s: float = 0.0  # wall seconds steps were committed past their scheduled end
 
     def begin(self, now: float, step_s: float) -> float:
         """Seconds to wait from `now` until the step of `step_s` ends."""
@@ -163,6 +169,10 @@ class StepClock:
         self.end = start + step_s
         self.modelled_s += step_s
         return max(0.0, self.end - now)
+
+    def ended(self, now: float) -> None:
+        if self.end is not None:
+            self.overrun_s += max(0.0, now - self.end)
 
     def idle(self) -> None:
         self.end = None

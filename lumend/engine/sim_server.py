@@ -301,6 +301,7 @@ class SimEngine:
             step_s = duration * self.opts.time_scale  # the step as paced: its time base
             self.step_fit.observe(step_s, extra, len(decoding))
             await asyncio.sleep(self.clock.begin(time.monotonic(), step_s))
+            self.clock.ended(time.monotonic())
             s = self.scheduler
             drafted, accepted = s.drafted_tokens, s.accepted_tokens
             # Prefill times on the paced steps' timeline, as lumen_sim_step_seconds_total.
@@ -477,6 +478,7 @@ def build_app(engine: SimEngine) -> web.Application:
             f"lumen_sim_steps_total {s.steps}",
             f"lumen_sim_step_seconds_total {engine.clock.modelled_s}",
             f"lumen_sim_step_late_seconds_total {engine.clock.late_s}",
+            f"lumen_sim_step_overrun_seconds_total {engine.clock.overrun_s}",
             *engine.step_fit.metric_lines(),
             f'lumen_sim_active {1 if engine.state == "active" else 0}',
             f"lumen_sim_prefill_tokens_total {s.prefill_tokens}",

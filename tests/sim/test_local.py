@@ -166,6 +166,14 @@ def test_the_step_clock_keeps_the_engines_own_work_inside_the_modelled_step() ->
     clock.idle()  # no work: the next step starts when it is asked for
     assert clock.begin(20.0, 0.1) == pytest.approx(0.1)
     assert clock.late_s == pytest.approx(0.2)
+    # Woken 15 ms past the step's end: its tokens go out late (an overrun), the next step
+    # still ends on schedule and nothing is given up.
+    assert clock.overrun_s == 0.0
+    clock.ended(20.115)
+    assert clock.overrun_s == pytest.approx(0.015)
+    assert clock.begin(20.116, 0.1) == pytest.approx(0.084)
+    clock.ended(20.2)  # on time
+    assert clock.overrun_s == pytest.approx(0.015) and clock.late_s == pytest.approx(0.2)
 
 
 def test_the_serving_overhead_delays_each_request_before_the_scheduler() -> None:

@@ -87,10 +87,11 @@ def test_the_overhead_line_is_least_squares_over_the_rates() -> None:
     bench = load_bench()
 
     def row(streams: float, overhead_s: float) -> object:
-        return bench.Row(1.0, streams, 10, 0.4 + overhead_s, 0.4, 0.4, 0.002, (10, 10), 0.0,
-                         0.0, 0.5)
+        return bench.Row("lumen", 1.0, streams, 10, 0.4 + overhead_s, 0.4, 0.4, 0.002,
+                         (10, 10), 0.0, 0.001, 0.0, 0.5)
 
     rows = [row(n, 0.005 + 0.0002 * n) for n in (2.0, 10.0, 30.0)]
     a, b = bench.fit(rows)
     assert a == pytest.approx(0.005) and b == pytest.approx(0.0002)
-    assert "5.0 ms + 0.20 ms x streams in flight" in bench.report(rows)
+    assert "lumen: serving overhead (client - engine) ~= 5.0 ms + 0.20 ms x streams" in (
+        bench.report(rows))
