@@ -100,7 +100,7 @@ class Served:
     last: float
     tokens: int
     interrupted: bool
-    worker: int = -1  # simulated: the worker (in name order) it finished on
+    worker: int = -1  # simulated: the worker (in name order) its first token came from
 
     @property
     def ttft(self) -> float:
@@ -385,8 +385,10 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
                                victim=victim)
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)
+    # The worker a request's first token came from: the victim's requests cut off with
+    # their first token out finished elsewhere.
     out = [Served(r.arrival, r.first_token, r.finish, r.output, r.interrupted_at >= 0,
-                  r.worker)
+                  victim if r.interrupted_at >= 0 and r.first_token <= fault else r.worker)
            for r in result.requests if r.finish >= 0]
     assert cfg.reload_s is not None and result.fault is not None
     return out, cfg.reload_s, result.fault.cut_off
