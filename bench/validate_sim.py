@@ -221,7 +221,7 @@ async def idle_ttft(url: str, prompt_tokens: int, count: int) -> float:
     engine idle: a probe sent as soon as the one before gave its first token found the
     engine running that one's last step and waited for it (26 ms on sim-medium at time
     scale 8: 260 ms against an idle engine's 232, the model's 227)."""
-    ttfts = []
+    ttfts: list[float] = []
     async with aiohttp.ClientSession() as session:
         for i in range(count + 2):
             body = {"prompt": f"probe {i:02d} " + "x" * prompt_tokens, "max_tokens": 2,
@@ -589,7 +589,7 @@ def resimulate(path: Path, which: str = "loaded") -> list[Validation]:
               f"serving overhead {overhead * 1000:.1f} ms, {source}):")
         print(table(real, sim))
         for split in splits:
-            print(split_line(split, served, simulated))
+            print(split_line(split, served, simulated, overhead))
         runs.append(Validation(record["seed"], record["policy"], real, sim))
     if len(runs) > 1:
         print(f"\nsummary over {len(runs)} runs (within = |sim / real - 1| <= "
@@ -613,36 +613,38 @@ def loaded_overhead_s(real: Sequence[Served], split: ServingSplit) -> float | No
     return max(0.0, client - split.engine_s)
 
 
-def split_line(split: ServingSplit, real: Sequence[Served], simulated: Sequence[Served]
-               ) -> str:
+def split_line(split: ServingSplit, real: Sequence[Served], simulated: Sequence[Served],
+               overhead_s: float) -> str:
     """Where the real side's time went, against the simulated side over the same first
-    tokens (out between `split.since` and `split.until`)."""
+    tokens (out between `split.since` and `split.until`): the engines' own TTFT against the
+    simulated one less the serving overhead it was given (what the simulator's engines
+    took), overall and per worker."""
     nan = float("nan")
     client = mean_ttft_between(real, split.since, split.until) or nan
-    sim = mean_ttft_between(simulated, split.since, split.until) or nan
+    sim = (mean_ttft_between(simulated, split.since, split.until) or nan) - overhead_s
     ms = 1000
     return (f"first tokens {split.since:.1f}-{split.until:.1f} s: mean TTFT real "
             f"{client * ms:.1f} ms at the client, {split.gateway_s * ms:.1f} at the gateways, "
             f"{split.engine_s * ms:.1f} at the engines ({split.counted[0]}/{split.counted[1]} "
-            f"observed); simulated {sim * ms:.1f} ms; client - engine "
-            f"{(client - split.engine_s) * ms:.1f} ms, engines - simulated "
-            f"{(split.engine_s - sim) * ms:.1f} ms; steps committed {split.overrun_s * ms:.1f} "
-            f"ms past their end on average{per_worker(split, simulated)}")
+            f"observed); client - engine {(client - split.engine_s) * ms:.1f} ms; at the "
+            f"engines real - simulated {(split.engine_s - sim) * ms:.1f} ms; steps committed "
+            f"{split.overrun_s * ms:.1f} ms past their end on average"
+            f"{per_worker(split, simulated, overhead_s)}")
 
 
-def per_worker(split: ServingSplit, simulated: Sequence[Served]) -> str:
+def per_worker(split: ServingSplit, simulated: Sequence[Served], overhead_s: float) -> str:
     """Each worker's first tokens and mean TTFT at its engines, real / simulated (the
     simulated worker i is the i-th real one by name, as the coordinator orders them)."""
     parts = []
     for i, (name, (count, mean)) in enumerate(sorted(split.workers.items())):
-        mine = [x.ttft for x in simulated
+        mine = [x.ttft - overhead_s for x in simulated
                 if x.worker == i and split.since < x.first <= split.until]
         sim = statistics.fmean(mine) if mine else float("nan")
         parts.append(f"{name} {count} / {len(mine)} requests, {mean * 1000:.0f} / "
                      f"{sim * 1000:.0f} ms")
     if not parts:
         return ""
-    return "; per worker, real / simulated (with the overhead): " + ", ".join(parts)
+    return "; per worker at the engines, real / simulated: " + ", ".join(parts)
 
 
 def given_overhead_s(given: dict[str, Any], splits: Sequence[ServingSplit],
@@ -712,15 +714,15 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     print(table(real, sim))
     print(f"simulator given: restart = process start {process_start:.2f} s (measured: real "
           f"kill-to-serving minus the model's {init_s:g} s init) + init; serving overhead "
-          f"{overhead * 1000:.1f} ms per request ({source}: under load, the clients' mean "
-          f"TTFT minus the engines' before the fault; the idle probe gave "
+          f"{overhead * 1000:.1f} ms per request (measured {source}; under load: the "
+          f"clients' mean TTFT minus the engines' before the fault; the idle probe gave "
           f"{idle_overhead * 1000:.0f} ms: a lone {probe_tokens}-token "
           f"request's TTFT through a gateway, {real_run.idle_ttft_gateway_s * 1000:.0f} ms, "
           f"minus the model's {modelled_lone * 1000:.0f} ms; straight to an engine "
           f"{real_run.idle_ttft_direct_s * 1000:.0f} ms; idle cluster, {PROBES} each); "
           f"restores {args.restore_mbps:g} MB/s beside the engine")
     for split in real_run.splits:
-        print(split_line(split, real_served(real_run.outcomes), simulated))
+        print(split_line(split, real_served(real_run.outcomes), simulated, overhead))
     late = real_run.late_step_s / real_run.modelled_step_s if real_run.modelled_step_s else 0
     print(f"sim engines' pacing: behind their cost model by {late:.1%} of "
           f"{real_run.modelled_step_s:.0f} modelled step-seconds")

@@ -156,5 +156,7 @@ def test_the_simulator_is_given_the_serving_path_under_load_where_a_run_measured
     assert v.given_overhead_s({"overhead_s": 0.02, "idle_overhead_s": 0.03}, [], real,
                               "idle") == (0.03, "idle probe")
     line = v.split_line(split, real, [v.Served(t, t + 0.45, t + 5, 50, False, i % 2)
-                                      for i, t in enumerate((1.0, 10.0, 20.0))])
-    assert "client - engine 20.0 ms" in line and "w0 2 / 2 requests, 400 / 450 ms" in line
+                                      for i, t in enumerate((1.0, 10.0, 20.0))], 0.02)
+    assert "client - engine 20.0 ms" in line
+    assert "at the engines real - simulated -50.0 ms" in line  # 0.38 - (0.45 - 0.02)
+    assert "w0 2 / 2 requests, 400 / 430 ms" in line
