@@ -68,7 +68,7 @@ from lumend.engine.sim_core import Scheduler, SimRequest, StepOutput
 from lumend.engine.sim_models import sim_model
 from lumend.sim.config import apply_policy
 from lumend.sim.engine import simulate
-from lumend.sim.local import local_cluster_config, sim_engine_cost
+from lumend.sim.local import LOCAL_HEARTBEAT_S, local_cluster_config, sim_engine_cost
 from lumend.sim.stats import interval, paired_ratio
 from lumend.sim.sweep import request_seconds
 from lumend.sim.workload import Workload
@@ -389,7 +389,8 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
     cfg = local_cluster_config(args.model, args.time_scale, args.nodes, fault_at_s=fault,
                                restore_bytes_per_s=args.restore_mbps * 1e6,
                                process_start_s=process_start_s, request_overhead_s=overhead_s,
-                               victim=victim)
+                               victim=victim,
+                               heartbeat_s=getattr(args, "admission_heartbeat_s", 0.0))
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)
     # The worker a request's first token came from: the victim's requests cut off with
@@ -529,12 +530,17 @@ def main() -> None:
                         help="the serving overhead the simulator is given: client - engine "
                         "TTFT under load before the fault (runs saved before the engines "
                         "exported their TTFT fall back to idle), or the idle probe's")
+    parser.add_argument("--admission-heartbeat", dest="admission_heartbeat_s", type=float,
+                        default=0.0, metavar="S",
+                        help="the simulator's admission reads each worker's queue as "
+                        "max(its last heartbeat's, the exact count), heartbeats every S "
+                        f"(the local cluster's: {LOCAL_HEARTBEAT_S:g}); 0: exact counts")
     parser.add_argument("--resimulate", type=Path, default=None, metavar="SAVED.json",
                         help="no cluster: simulate again the real runs a --save wrote (after "
                         "a change to the simulator) and compare with their real side")
     args = parser.parse_args()
     if args.resimulate is not None:
-        resimulate(args.resimulate, args.overhead)
+        resimulate(args.resimulate, args.overhead, args.admission_heartbeat_s)
         return
     runs: list[Validation] = []
     saved: list[dict[str, object]] = []
@@ -556,7 +562,8 @@ def main() -> None:
 SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup")
 
 
-def resimulate(path: Path, which: str = "loaded") -> list[Validation]:
+def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = 0.0
+               ) -> list[Validation]:
     """The simulated side of every run in `path` (a --save file, or it gzipped) again, with
     the simulator as it is now, against the real side measured then."""
     try:
@@ -572,7 +579,8 @@ def resimulate(path: Path, which: str = "loaded") -> list[Validation]:
             raise SystemExit(f"{path}: seed {record.get('seed')} has no {', '.join(missing)} "
                              "(saved by an older bench): run it again with --save")
         try:
-            args = argparse.Namespace(**record["settings"], policy=record["policy"])
+            args = argparse.Namespace(**record["settings"], policy=record["policy"],
+                                      admission_heartbeat_s=heartbeat_s)
             given, fault = record["given"], record["fault"]
             splits = [ServingSplit(**x) for x in record.get("splits", [])]
             served = [Served(**x) for x in record.get("real", [])]

@@ -83,6 +83,13 @@ class SimConfig:
     # Serving overhead before the scheduler sees a request (API server, tokenization, the
     # gateway's admission): 0 in the GPU scenarios; the local-cluster validation measures it.
     request_overhead_s: float = 0.0
+    # The admission's queue column as the coordinator keeps it (`LoadBook`): max(each
+    # worker's running + waiting as its last heartbeat reported it, the requests admitted
+    # and not finished), heartbeats this often (the workers' phases spread over one
+    # interval). A worker that finished requests since its heartbeat still looks as loaded
+    # as it was, so a burst goes to the others until their counts pass that. 0: exact
+    # counts (the GPU scenarios); the local-cluster validation: its nodes' heartbeat, 1 s.
+    admission_heartbeat_s: float = 0.0
     # The workload's mean prompt, for the cost-aware L_hat's beta (one mean request's
     # prefill): the conversation trace's 1155 tokens unless a sweep scales prompts.
     mean_prompt_tokens: float = MEAN_PROMPT_TOKENS
@@ -142,7 +149,7 @@ class SimConfig:
             raise ValueError(f"init_s and reload_s must be >= 0 s, got {self.init_s} and "
                              f"{self.reload_s}")
         for name in ("crash_detect_s", "host_detect_s", "shadow_takeover_s",
-                     "request_overhead_s"):
+                     "request_overhead_s", "admission_heartbeat_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
         if self.replicas not in (1, 2):

@@ -46,7 +46,7 @@ from lumend.sim.workload import Workload
 
 IDLE, STEP, RUN = 0, 1, 2
 (EV_STEP, EV_FAULT, EV_RESTORE, EV_DRAFT, EV_RELOAD, EV_SAMPLE, EV_GRAY_END,
- EV_DETECT, EV_ASSIST) = range(9)
+ EV_DETECT, EV_ASSIST, EV_HEARTBEAT) = range(10)
 
 
 class SimError(RuntimeError):
@@ -271,6 +271,9 @@ class Simulation:
         self.cost_aware = cfg.policy.cost_aware
         self.jsq = cfg.policy.admission == "queue"
         self.col_jsq = [0.0] * n
+        # Each worker's running + waiting at its last heartbeat (admission_heartbeat_s > 0):
+        # the shortest-queue column is max(this, col_queue), as the coordinator's.
+        self.col_beat = [0] * n
         self.col_work = [0.0] * n
         self.col_gain = [0.0] * n
         nodes = tuple(w.node for w in self.workers)
@@ -326,6 +329,10 @@ class Simulation:
         if cfg.fault.kind is not FaultKind.none:
             self._push(cfg.fault.at_s, EV_FAULT, None)
         self._push(0.0, EV_SAMPLE, None)
+        beat = cfg.admission_heartbeat_s
+        if beat > 0:
+            for w in self.workers:
+                self._push(beat * (w.idx + 1) / len(self.workers), EV_HEARTBEAT, w)
         reqs, heap = self.requests, self.heap
         n, i = len(reqs), 0
         now = 0.0
@@ -364,6 +371,9 @@ class Simulation:
                 elif kind == EV_GRAY_END:
                     assert isinstance(obj, Worker)
                     self._set_rate(obj, now, speed=1.0)
+                elif kind == EV_HEARTBEAT:
+                    assert isinstance(obj, Worker)
+                    self._heartbeat(obj, now, i < n)
             elif i < n:
                 now = next_arrival
                 self.events += 1
@@ -386,7 +396,16 @@ class Simulation:
         alive = self.col_alive[i]
         self.col_load[i] = (self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
                             if alive else math.inf)
-        self.col_jsq[i] = self.col_queue[i] if alive else math.inf
+        self.col_jsq[i] = max(self.col_queue[i], self.col_beat[i]) if alive else math.inf
+
+    def _heartbeat(self, w: Worker, now: float, arrivals_left: bool) -> None:
+        """Worker w reports its running + waiting (none while it is down: its new engine
+        starts empty)."""
+        i = w.idx
+        self.col_beat[i] = self.col_queue[i] if self.col_alive[i] else 0
+        self._touch(i)
+        if arrivals_left or self.unfinished:
+            self._push(now + self.cfg.admission_heartbeat_s, EV_HEARTBEAT, w)
 
     def _admit(self, r: Req, now: float) -> None:
         target = policy.least_loaded_in(self.col_jsq if self.jsq else self.col_load)
@@ -413,7 +432,7 @@ class Simulation:
         i = w.idx
         self.col_queue[i] -= 1
         self.col_load[i] = self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
-        self.col_jsq[i] = self.col_queue[i]
+        self.col_jsq[i] = max(self.col_queue[i], self.col_beat[i])
         if r.holders:
             self._drop_holders(r)
         self.unfinished -= 1
@@ -914,7 +933,7 @@ class Simulation:
         for idx in failed:
             w = self.workers[idx]
             self.col_alive[idx] = False
-            self.col_queue[idx] = 0
+            self.col_queue[idx] = self.col_beat[idx] = 0
             self._touch(idx)
             moved.extend(w.lost)
             moved.extend(w.queue)

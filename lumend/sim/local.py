@@ -46,10 +46,16 @@ def restart_seconds(model: SimModel, time_scale: float, process_start_s: float) 
     return process_start_s + model.init_s * time_scale
 
 
+# LocalCluster's nodes run with a 3 s lease and beat every lease / 3
+# (`EtcdSection.effective_heartbeat_s`).
+LOCAL_HEARTBEAT_S = 1.0
+
+
 def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
                          fault_at_s: float, restore_bytes_per_s: float,
                          process_start_s: float, request_overhead_s: float = 0.0,
                          victim: int = 0, budget_bytes: float = GIB,
+                         heartbeat_s: float = 0.0,
                          base: SimConfig | None = None) -> SimConfig:
     """A SimConfig of `workers` one-engine nodes running sim engines of `model_name` at
     `time_scale`, worker `victim`'s engine SIGKILLed at `fault_at_s` (no shadows). The
@@ -57,7 +63,10 @@ def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
     they go on the cluster: `victim` is the killed worker's place in that order. Restores
     run beside the engine, as the sim engine loads pages before it queues the request.
     `request_overhead_s`: the measured time from a client's send until the engine's
-    scheduler has the request (HTTP, the gateway, tokenization), which no step cost has."""
+    scheduler has the request (HTTP, the gateway, tokenization), which no step cost has.
+    `heartbeat_s`: the nodes' heartbeat, whose queue lengths the coordinator's admission
+    column holds until the next (`SimConfig.admission_heartbeat_s`; LOCAL_HEARTBEAT_S for
+    LocalCluster's nodes); 0: exact counts."""
     model = sim_model(model_name)
     limits = model.limits
     return replace(
@@ -68,7 +77,7 @@ def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
         max_batch=limits.max_batch, kv_capacity_tokens=limits.kv_blocks * BLOCK_SIZE,
         kv_preemption=False, prefill_end_decodes=True,
         block_tokens=BLOCK_SIZE, budget_bytes=budget_bytes,
-        request_overhead_s=request_overhead_s,
+        request_overhead_s=request_overhead_s, admission_heartbeat_s=heartbeat_s,
         restore_bytes_per_s=restore_bytes_per_s, restore_async=True,
         reload_s=restart_seconds(model, time_scale, process_start_s), shadows=False,
         fault=FaultSpec(kind=FaultKind.worker, at_s=fault_at_s, worker=victim),

@@ -224,3 +224,30 @@ def test_the_fault_hits_the_named_worker_and_counts_every_stream_it_cut_off() ->
     with pytest.raises(ValueError, match="fault worker 2 is not one of the 2 workers"):
         local_cluster_config("sim-small", SCALE, 2, fault_at_s=2.0, restore_bytes_per_s=5e8,
                              process_start_s=1.0, victim=2)
+
+
+def test_admission_reads_each_workers_queue_as_its_heartbeat_left_it() -> None:
+    """The coordinator's admission column is max(the worker's running + waiting at its last
+    heartbeat, the requests admitted and not finished): a worker whose requests finished
+    since its heartbeat still looks as loaded until the next one. A runs long on worker 0;
+    B runs on worker 1 through its heartbeat at 4 s and ends at ~5.4 s; two requests
+    arrive at 5.6 s, before worker 1's next heartbeat at 8 s. On exact counts (the
+    negative control) the first goes to worker 1, which is empty; with heartbeats worker 1
+    still reports B, the two tie and the first goes to worker 0."""
+    def workers_of_the_burst(heartbeat_s: float) -> list[int]:
+        cfg = local_cluster_config("sim-small", SCALE, 2, fault_at_s=0.0,
+                                   restore_bytes_per_s=5e8, process_start_s=1.0,
+                                   heartbeat_s=heartbeat_s)
+        cfg = replace(cfg, fault=FaultSpec(kind=FaultKind.none))
+        requests = [(0.0, 100, 3000), (0.01, 100, 165), (5.6, 100, 50), (5.61, 100, 50)]
+        result = simulate(Workload(*(list(c) for c in zip(*requests, strict=True))),
+                          apply_policy(cfg, "stop_and_restart"))
+        a, b, *burst = result.requests
+        assert (a.worker, b.worker) == (0, 1)
+        assert 4.0 < b.finish < 5.6, b.finish  # through worker 1's heartbeat, not the next
+        return [r.worker for r in burst]
+
+    assert workers_of_the_burst(0.0) == [1, 0]
+    assert workers_of_the_burst(4.0) == [0, 1]
+    with pytest.raises(ValueError, match="admission_heartbeat_s"):
+        simulated([(0.0, 100, 10)], admission_heartbeat_s=-1.0)
