@@ -16,10 +16,14 @@ gateways logged; simulated: the requests on the killed worker, first token or no
 failure-free TTFT (requests sent after --warmup and at least 5 s before the fault). What
 the cost model does not know is measured on the real cluster and given to the simulator,
 and the output says so: the restarted engine's process start (kill-to-serving minus the
-model's initialisation) and the serving overhead per request (a lone request's TTFT
-through a gateway minus the model's). Asserts nothing; prints the table, how far the sim
-engines fell behind their cost model, and the load average (2 shared cores: the real
-side's timing is the machine's too).
+model's initialisation) and the serving overhead per request (under load: the clients'
+mean TTFT minus the engines' own, `vllm:time_to_first_token_seconds`, over the first
+tokens before the fault; `--overhead idle`: a lone request's TTFT through a gateway minus
+the model's). The simulator's admission reads the workers' queues as the coordinator does
+(`--admission-heartbeat`). Asserts nothing; prints the table, where the real side's time
+went before and after the fault (client, gateways, engines, per worker, against the
+simulated engines), how far the sim engines fell behind their cost model, and the load
+average (2 shared cores: the real side's timing is the machine's too).
 
 Several seeds and policies run one after another (each seed's trace under each policy, a
 fresh cluster per run), and then a summary: per policy and metric the mean simulated /
@@ -30,6 +34,7 @@ real ratio over the seeds with its 95% Student-t interval and how many runs were
         [--duration 150] [--fault-at 45] [--warmup 20] [--time-scale 8]
         [--policy lumen [stop_and_restart ...]] [--seed 7 [11 ...]] [--save F.json]
     python bench/validate_sim.py --resimulate F.json   # the simulated side again, no cluster
+        [--overhead loaded|idle] [--admission-heartbeat S]
 
 Needs the etcd binary. About 4.5 minutes per run with the defaults.
 """
@@ -531,10 +536,11 @@ def main() -> None:
                         "TTFT under load before the fault (runs saved before the engines "
                         "exported their TTFT fall back to idle), or the idle probe's")
     parser.add_argument("--admission-heartbeat", dest="admission_heartbeat_s", type=float,
-                        default=0.0, metavar="S",
-                        help="the simulator's admission reads each worker's queue as "
-                        "max(its last heartbeat's, the exact count), heartbeats every S "
-                        f"(the local cluster's: {LOCAL_HEARTBEAT_S:g}); 0: exact counts")
+                        default=LOCAL_HEARTBEAT_S, metavar="S",
+                        help="the simulator's admission reads each worker's queue as the "
+                        "coordinator does, max(its last heartbeat's, the exact count), "
+                        "heartbeats every S (default: the local cluster's, "
+                        f"{LOCAL_HEARTBEAT_S:g} s); 0: exact counts")
     parser.add_argument("--resimulate", type=Path, default=None, metavar="SAVED.json",
                         help="no cluster: simulate again the real runs a --save wrote (after "
                         "a change to the simulator) and compare with their real side")
@@ -562,7 +568,7 @@ def main() -> None:
 SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup")
 
 
-def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = 0.0
+def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEARTBEAT_S
                ) -> list[Validation]:
     """The simulated side of every run in `path` (a --save file, or it gzipped) again, with
     the simulator as it is now, against the real side measured then."""
