@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ from lumend.sim.sweep import request_seconds
 from lumend.sim.workload import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the serving-path scrape
-from serving_overhead import change, engine_changes, mean_of, snapshot
+from serving_overhead import ServingSplit, SplitWatch
 
 VICTIM = "node-2-w0"
 MODELS = ("sim-medium", "sim-small")  # the same step costs; sim-medium restarts in 6 s x scale
@@ -238,69 +238,6 @@ async def idle_ttft(url: str, prompt_tokens: int, count: int) -> float:
                         ttfts.append(time.monotonic() - started)
             await asyncio.sleep(PROBE_PAUSE_S)
     return statistics.median(ttfts[2:])
-
-
-SPLIT_BEFORE_FAULT_S = 1.0
-
-
-@dataclass(frozen=True)
-class ServingSplit:
-    """Mean TTFT at the gateways (request in to first token out) and at the engines
-    (arrival at the engine's API server to first token out) over the first tokens out
-    between `since` and `until` (s into the trace): the real side's serving path is
-    client - engine; the engines' own queueing and batching are in `engine_s`. After the
-    fault the engines also count each resumed request's first token on its new engine (a
-    request the gateways count once), and the killed engine's last second is lost."""
-
-    since: float
-    until: float
-    gateway_s: float
-    engine_s: float
-    counted: tuple[int, int]  # first tokens the gateways and the engines observed
-    # Per worker (by name): first tokens its engines observed and their mean TTFT, which
-    # shows how admission spread the requests.
-    workers: dict[str, tuple[int, float]] = field(default_factory=dict)
-    # The engines' mean overrun per step (`lumen_sim_step_overrun_seconds_total`): how far
-    # past its scheduled end a step was committed, its tokens with it.
-    overrun_s: float = float("nan")
-
-    @staticmethod
-    def of(after: dict[str, float], before: dict[str, float], since: float, until: float
-           ) -> ServingSplit:
-        delta = change(after, before)
-        gateway_s, gateway_n = mean_of(delta, "lumen_gateway_ttft_seconds")
-        engine_s, engine_n = mean_of(delta, "vllm:time_to_first_token_seconds")
-        workers = {}
-        for worker, series in sorted(engine_changes(after, before).items()):
-            mean, count = mean_of(series, "vllm:time_to_first_token_seconds")
-            workers[worker] = (count, mean)
-        steps = delta.get("lumen_sim_steps_total", 0.0)
-        overrun = (delta.get("lumen_sim_step_overrun_seconds_total", 0.0) / steps if steps
-                   else float("nan"))
-        return ServingSplit(since, until, gateway_s, engine_s, (gateway_n, engine_n),
-                            workers, overrun)
-
-
-class SplitWatch:
-    """Scrapes the gateways' and engines' TTFT histograms before the trace, SPLIT_BEFORE_
-    FAULT_S before the fault and (`end`) after the trace: the split before and after."""
-
-    def __init__(self, cluster: LocalCluster) -> None:
-        self.start = snapshot(cluster)
-        self.at_fault: dict[str, float] | None = None
-        self.splits: list[ServingSplit] = []
-
-    async def __call__(self, run: Replay) -> None:
-        assert run.fault_at is not None
-        await asyncio.sleep(max(0.0, run.fault_at - SPLIT_BEFORE_FAULT_S - run.now()))
-        at = run.now()
-        self.at_fault = await asyncio.to_thread(snapshot, run.cluster)
-        self.splits.append(ServingSplit.of(self.at_fault, self.start, 0.0, at))
-
-    def end(self, cluster: LocalCluster, now: float) -> None:
-        if self.at_fault is not None:
-            self.splits.append(ServingSplit.of(snapshot(cluster), self.at_fault,
-                                               self.splits[0].until, now))
 
 
 class BackWatch:
