@@ -396,7 +396,8 @@ class Simulation:
         alive = self.col_alive[i]
         self.col_load[i] = (self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
                             if alive else math.inf)
-        self.col_jsq[i] = max(self.col_queue[i], self.col_beat[i]) if alive else math.inf
+        q, beat = self.col_queue[i], self.col_beat[i]  # max() costs a call, per change
+        self.col_jsq[i] = (q if q >= beat else beat) if alive else math.inf
 
     def _heartbeat(self, w: Worker, now: float, arrivals_left: bool) -> None:
         """Worker w reports its running + waiting (none while it is down: its new engine
@@ -432,7 +433,8 @@ class Simulation:
         i = w.idx
         self.col_queue[i] -= 1
         self.col_load[i] = self.alpha * self.col_held[i] + self.beta * self.col_queue[i]
-        self.col_jsq[i] = max(self.col_queue[i], self.col_beat[i])
+        q, beat = self.col_queue[i], self.col_beat[i]
+        self.col_jsq[i] = q if q >= beat else beat
         if r.holders:
             self._drop_holders(r)
         self.unfinished -= 1
