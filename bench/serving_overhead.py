@@ -237,6 +237,9 @@ async def replay_measuring_lag(run: Replay) -> float:
 def run_rate(cluster: LocalCluster, mode: str, rate: float, args: argparse.Namespace
              ) -> Row:
     requests = trace(args.seed, args.duration, rate, tuple(args.prompt), tuple(args.output))
+    if not requests:
+        raise SystemExit(f"rate {rate:g}/s over {args.duration:g} s sent no request (seed "
+                         f"{args.seed}): raise --duration or the rate")
     before = snapshot(cluster)
     run = Replay(cluster, requests, None, "")
     loop_lag = asyncio.run(replay_measuring_lag(run))
@@ -244,6 +247,10 @@ def run_rate(cluster: LocalCluster, mode: str, rate: float, args: argparse.Names
     after = snapshot(cluster)
     delta = change(after, before)
     ok = [o for o in run.outcomes if not o.error and o.token_times]
+    if not ok:
+        errors = sorted({o.error for o in run.outcomes if o.error})
+        raise SystemExit(f"{mode} at {rate:g}/s: no request completed ({'; '.join(errors)}); "
+                         f"the cluster's logs are under {cluster.workdir}")
     gateway_s, gateway_n = mean_of(delta, "lumen_gateway_ttft_seconds")
     engine_s, engine_n = mean_of(delta, "vllm:time_to_first_token_seconds")
     admit_s, _ = mean_of(delta, "lumen_gateway_decision_seconds")
@@ -305,8 +312,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    if any(r <= 0 for r in args.rates):
-        parser.error("--rates must be positive")
+    if any(r <= 0 for r in args.rates) or args.duration <= 0:
+        parser.error("--rates and --duration must be positive")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="lumen-serving-overhead-"))
     cluster = LocalCluster(root, size=2, shadows=0, lease_ttl_s=3, model=args.model,
                            engine_args=("--time-scale", f"{args.time_scale:g}"))

@@ -332,7 +332,7 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
                                restore_bytes_per_s=args.restore_mbps * 1e6,
                                process_start_s=process_start_s, request_overhead_s=overhead_s,
                                victim=victim,
-                               heartbeat_s=getattr(args, "admission_heartbeat_s", 0.0))
+                               heartbeat_s=args.admission_heartbeat_s)
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)
     # The worker a request's first token came from: the victim's requests cut off with
@@ -482,6 +482,8 @@ def main() -> None:
                         help="no cluster: simulate again the real runs a --save wrote (after "
                         "a change to the simulator) and compare with their real side")
     args = parser.parse_args()
+    if args.admission_heartbeat_s < 0:
+        parser.error("--admission-heartbeat must be 0 (exact counts) or a positive interval")
     if args.resimulate is not None:
         resimulate(args.resimulate, args.overhead, args.admission_heartbeat_s)
         return

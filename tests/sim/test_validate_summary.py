@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import importlib.util
 import io
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "validate_sim.py"
+from .. import benchmod
+
+DATA = benchmod.BENCH_DIR / "data"
 
 
 def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("validate_sim", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["validate_sim"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmod.load_bench("validate_sim")
 
 
 def test_the_summary_gives_mean_ratios_counts_and_the_paired_ttft_ratio() -> None:
@@ -83,6 +78,12 @@ def test_resimulate_runs_the_saved_requests_again_and_refuses_an_older_file(
     with pytest.raises(SystemExit, match=r"seed 3: a malformed record \(ValueError: fault "
                        r"worker 2 is not one of the 2 workers"):
         v.resimulate(saved)
+    # A serving split that is not one this bench wrote: refused the same way.
+    record["given"] = {"process_start_s": 1.0, "overhead_s": 0.01, "victim": 1}
+    record["splits"] = [{"since": 0.0, "gateway": 1}]
+    saved.write_text(json.dumps({"runs": [record]}))
+    with pytest.raises(SystemExit, match=r"seed 3: a malformed record \(TypeError"):
+        v.resimulate(saved)
     del record["given"]
     saved.write_text(json.dumps({"runs": [record]}))
     with pytest.raises(SystemExit, match=r"no given .*run it again with --save"):
@@ -106,26 +107,34 @@ def test_the_simulator_still_agrees_with_the_saved_real_runs() -> None:
     # These runs predate the engines' TTFT: the simulator is given their idle probe, and
     # they are held to what it reproduced then, on exact admission counts.
     v = load_bench()
-    saved = BENCH.parent / "data" / "validation-2026-12-06.json.gz"
+    saved = DATA / "validation-2026-12-06.json.gz"
     with contextlib.redirect_stdout(io.StringIO()):
         runs = v.resimulate(saved, heartbeat_s=0.0)
+    recovery = agrees_run_by_run(v, runs, interrupted_slack=2)
+    assert abs(sum(recovery) / len(recovery) - 1) <= v.AGREEMENT
+
+
+def agrees_run_by_run(v: ModuleType, runs: list[Any], interrupted_slack: int) -> list[float]:
+    """Every one of the sixteen runs: mean TTFT within 10%, TPOT within 15%, interrupted
+    streams within 15% or `interrupted_slack`; returns the recovery ratios at 50% (every
+    run has one)."""
     assert len(runs) == 16
     for run in runs:
         where = (run.seed, run.policy)
         assert abs(run.sim.ttft_s / run.real.ttft_s - 1) <= 0.10, where
         assert abs(run.sim.tpot_s / run.real.tpot_s - 1) <= v.AGREEMENT, where
         assert abs(run.sim.interrupted - run.real.interrupted) <= max(
-            2, v.AGREEMENT * run.real.interrupted), where
-    recovery = [run.sim.recovery_s / run.real.recovery_s for run in runs
+            interrupted_slack, v.AGREEMENT * run.real.interrupted), where
+    recovery = [float(run.sim.recovery_s / run.real.recovery_s) for run in runs
                 if run.sim.recovery_s is not None and run.real.recovery_s]
     assert len(recovery) == len(runs)
-    assert abs(sum(recovery) / len(recovery) - 1) <= v.AGREEMENT
+    return recovery
 
 
 def test_the_victim_placed_first_takes_the_simulator_away_from_the_real_runs(
         tmp_path: Path) -> None:
     v = load_bench()
-    saved = BENCH.parent / "data" / "validation-2026-12-06.json.gz"
+    saved = DATA / "validation-2026-12-06.json.gz"
     data = json.loads(gzip.decompress(saved.read_bytes()))
     for record in data["runs"]:
         record["given"]["victim"] = 0
@@ -149,20 +158,11 @@ def test_the_simulator_agrees_with_the_runs_that_measured_the_serving_path() -> 
     # average (real 470-527 ms where simulated 438-450 in seed 7), outside the 3% the
     # default holds.
     v = load_bench()
-    saved = BENCH.parent / "data" / "validation-2026-12-06-split.json.gz"
+    saved = DATA / "validation-2026-12-06-split.json.gz"
     with contextlib.redirect_stdout(io.StringIO()):
         runs = v.resimulate(saved)
         exact = v.resimulate(saved, heartbeat_s=0.0)
-    assert len(runs) == 16
-    for run in runs:
-        where = (run.seed, run.policy)
-        assert abs(run.sim.ttft_s / run.real.ttft_s - 1) <= 0.10, where
-        assert abs(run.sim.tpot_s / run.real.tpot_s - 1) <= v.AGREEMENT, where
-        assert abs(run.sim.interrupted - run.real.interrupted) <= max(
-            3, v.AGREEMENT * run.real.interrupted), where
-    recovery = [run.sim.recovery_s / run.real.recovery_s for run in runs
-                if run.sim.recovery_s is not None and run.real.recovery_s]
-    assert len(recovery) == len(runs)
+    recovery = agrees_run_by_run(v, runs, interrupted_slack=3)
     assert abs(sum(recovery) / len(recovery) - 1) <= v.AGREEMENT
     assert sum(abs(r - 1) <= v.AGREEMENT for r in recovery) >= 14
 

@@ -3,24 +3,16 @@ the idle main thread does not take its seconds, and the report pairs blocks by r
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "ckpt_overhead.py"
+from .. import benchmod
 
 
 def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ckpt_overhead", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ckpt_overhead"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmod.load_bench("ckpt_overhead")
 
 
 def test_a_spinning_thread_is_counted_as_a_thread_not_as_the_main_one() -> None:

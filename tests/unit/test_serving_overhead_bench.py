@@ -5,15 +5,12 @@ overhead's line fitted on a known answer."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "serving_overhead.py"
+from .. import benchmod
 
 GATEWAY = """\
 # TYPE lumen_gateway_ttft_seconds histogram
@@ -37,12 +34,7 @@ lumen_sim_step_seconds_total 100.0
 
 
 def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serving_overhead", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serving_overhead"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmod.load_bench("serving_overhead")
 
 
 def test_sums_and_counts_over_models_and_the_admissions_only() -> None:
