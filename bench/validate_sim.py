@@ -3,11 +3,14 @@
 Real: --nodes lumend nodes (one sim worker each, no shadows, time-scaled sim engines of
 --model) on one etcd, with their gateways, coordinator and checkpoint holders, in --policy's
 mode; a seeded trace (Poisson arrivals, prompt and output lengths uniform in the given
-ranges) streams through the gateways and node-2-w0's engine is SIGKILLed at --fault-at.
-Simulated: the same requests (arriving when the real ones were sent) through `lumenctl
-sim`'s engine set up as those sim engines (`lumend.sim.local`: the sim engine's step
-formula and coefficients x time scale, its prefill chunk, batch and KV limits, its restart),
-the same fault at the moment the real kill happened, the same policy.
+ranges) streams through the gateways and node-2-w0's engine is SIGKILLed at --fault-at
+(`--fault kill`) or SIGSTOPped (`--fault hang`: alive, answering nothing, until its
+supervisor's probes kill it). Simulated: the same requests (arriving when the real ones were
+sent) through `lumenctl sim`'s engine set up as those sim engines (`lumend.sim.local`: the
+sim engine's step formula and coefficients x time scale, its prefill chunk, batch and KV
+limits, its restart), the same fault at the moment the real signal was sent (a hang: killed
+after the supervisor's modelled `hung_kill_after_s`; the real kill's moment is printed
+beside it), the same policy.
 
 Both sides are measured by the same functions: mean TTFT and mean TPOT over every
 completed request (TPOT per request: first to last token over its tokens - 1), the
@@ -31,7 +34,7 @@ real ratio over the seeds with its 95% Student-t interval and how many runs were
 15%, and LUMEN / stop-and-restart mean TTFT paired by seed, real and simulated.
 
     python bench/validate_sim.py [--model sim-medium] [--nodes 2] [--rate 2.5]
-        [--duration 150] [--fault-at 45] [--warmup 20] [--time-scale 8]
+        [--duration 150] [--fault-at 45] [--fault kill|hang] [--warmup 20] [--time-scale 8]
         [--policy lumen [stop_and_restart ...]] [--seed 7 [11 ...]] [--save F.json]
     python bench/validate_sim.py --resimulate F.json   # the simulated side again, no cluster
         [--overhead loaded|idle] [--admission-heartbeat S]
@@ -46,6 +49,7 @@ import asyncio
 import gzip
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -71,7 +75,7 @@ from lumenctl.recovery import (
 from lumenctl.sse import data_events
 from lumend.engine.sim_core import Scheduler, SimRequest, StepOutput
 from lumend.engine.sim_models import sim_model
-from lumend.sim.config import apply_policy
+from lumend.sim.config import FaultKind, SimConfig, apply_policy
 from lumend.sim.engine import simulate
 from lumend.sim.local import LOCAL_HEARTBEAT_S, local_cluster_config, sim_engine_cost
 from lumend.sim.stats import interval, paired_ratio
@@ -84,6 +88,9 @@ from serving_overhead import ServingSplit, SplitWatch
 VICTIM = "node-2-w0"
 MODELS = ("sim-medium", "sim-small")  # the same step costs; sim-medium restarts in 6 s x scale
 POLICIES = ("lumen", "fixed_checkpoint", "stop_and_restart")
+# --fault: what is done to the victim's engine, and the simulator's fault kind for it.
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+SIM_FAULTS = {"kill": FaultKind.worker, "hang": FaultKind.hang}
 UNTOUCHED_BEFORE_FAULT_S = 5.0
 RECOVERY_WINDOW_S, RECOVERY_STEP_S = 10.0, 0.5
 # Back within 50% of the level (the table's recovery time) and, as the simulator's rule
@@ -189,6 +196,7 @@ def real_served(outcomes: Sequence[Outcome]) -> list[Served]:
 class RealRun:
     outcomes: list[Outcome]
     fault: float
+    killed_after: float  # the engine was gone this long after the fault (0: SIGKILL)
     back_after: float | None
     decisions: int  # recovery routing decisions the gateways logged: interrupted streams
     modelled_step_s: float  # the engines' steps as their cost model times them
@@ -240,14 +248,38 @@ async def idle_ttft(url: str, prompt_tokens: int, count: int) -> float:
     return statistics.median(ttfts[2:])
 
 
+def process_gone(pid: int) -> bool:
+    """`pid` has exited (reaped, or a zombie its parent has yet to reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 class BackWatch:
-    """When the victim worker serves again from a new engine after the kill."""
+    """When the victim's engine was gone (a hung one: when its supervisor killed it) and
+    when the victim worker serves again from a new engine."""
 
     def __init__(self) -> None:
         self.back_at: float | None = None
+        self.gone_at: float | None = None
 
     async def __call__(self, run: Replay) -> None:
         old: set[int | None] = set()
+        gone = asyncio.create_task(self._gone(run))
+        try:
+            await self._back(run, old)
+        finally:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+
+    async def _gone(self, run: Replay) -> None:
+        while run.fault_pid is None or not process_gone(run.fault_pid):
+            await asyncio.sleep(0.02)
+        self.gone_at = run.now()
+
+    async def _back(self, run: Replay, old: set[int | None]) -> None:
         while self.back_at is None:
             view = await asyncio.to_thread(read_view, run.cluster.endpoints,
                                            run.cluster.cluster)
@@ -274,7 +306,7 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
         direct = asyncio.run(idle_ttft(engines[0], PROBE_TOKENS, PROBES))
         through = asyncio.run(idle_ttft(cluster.nodes[0].gateway, PROBE_TOKENS, PROBES))
         decisions = DecisionLog(cluster)
-        run = Replay(cluster, requests, args.fault_at, VICTIM)
+        run = Replay(cluster, requests, args.fault_at, VICTIM, FAULT_SIGNALS[args.fault_kind])
         watch, split = BackWatch(), SplitWatch(cluster)
 
         async def both(run: Replay) -> None:
@@ -285,6 +317,11 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
         split.end(cluster, run.now())
         assert run.fault is not None
         back = None if watch.back_at is None else watch.back_at - run.fault
+        if watch.gone_at is None:
+            raise SystemExit(f"the {args.fault_kind} of {VICTIM}'s engine (pid "
+                             f"{run.fault_pid}) at {run.fault:.1f} s: it never exited; see "
+                             f"the cluster's logs in {root}")
+        killed = max(0.0, watch.gone_at - run.fault)
         routed = len(decisions.new())
         wait_whole(cluster, 0)
         engines = [e.url for w in read_view(cluster.endpoints, cluster.cluster).workers.values()
@@ -292,8 +329,8 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
         modelled = engine_metric_sum(engines, "lumen_sim_step_seconds_total")
         late = engine_metric_sum(engines, "lumen_sim_step_late_seconds_total")
         victim = sorted(read_view(cluster.endpoints, cluster.cluster).workers).index(VICTIM)
-        return RealRun(run.outcomes, run.fault, back, routed, modelled, late, direct, through,
-                       split.splits, victim)
+        return RealRun(run.outcomes, run.fault, killed, back, routed, modelled, late, direct,
+                       through, split.splits, victim)
     finally:
         cluster.stop()
 
@@ -325,10 +362,13 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
             ) -> tuple[list[Served], float, int]:
     """The same requests (`sent_requests`), arriving when the real ones were sent; the
     fault at the real kill's moment on worker `victim` (`RealRun.victim_index`). Returns
-    the requests served, the restart and how many requests the fault cut off (on the
-    killed worker, first token or not, as the gateways count them)."""
+    the requests served, when the worker was back after the fault and how many requests
+    the fault cut off (on the killed worker, first token or not, as the gateways count
+    them; not those admitted to a hung one before its kill: the engine never read them,
+    and the gateways find them refused and admit them again)."""
     workload = Workload([s[0] for s in sent], [s[1] for s in sent], [s[2] for s in sent])
     cfg = local_cluster_config(args.model, args.time_scale, args.nodes, fault_at_s=fault,
+                               fault_kind=SIM_FAULTS[args.fault_kind],
                                restore_bytes_per_s=args.restore_mbps * 1e6,
                                process_start_s=process_start_s, request_overhead_s=overhead_s,
                                victim=victim,
@@ -340,8 +380,9 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
     out = [Served(r.arrival, r.first_token, r.finish, r.output, r.interrupted_at >= 0,
                   victim if r.interrupted_at >= 0 and r.first_token <= fault else r.worker)
            for r in result.requests if r.finish >= 0]
-    assert cfg.reload_s is not None and result.fault is not None
-    return out, cfg.reload_s, result.fault.cut_off
+    assert result.fault is not None and result.fault.back_at is not None
+    # Back a restart after the engine was gone: after the fault, or after a hung one's kill.
+    return out, result.fault.back_at - result.fault.at, result.fault.cut_off
 
 
 # -- output -----------------------------------------------------------------------------
@@ -448,6 +489,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=150.0, help="trace length, s")
     parser.add_argument("--rate", type=float, default=2.5, help="arrivals per second, all")
     parser.add_argument("--fault-at", type=float, default=45.0, help="s into the trace")
+    parser.add_argument("--fault", dest="fault_kind", choices=tuple(FAULT_SIGNALS),
+                        default="kill", help="kill: SIGKILL the victim's engine (a crash); "
+                        "hang: SIGSTOP it (alive, answering nothing) for its supervisor to "
+                        "find and kill")
     parser.add_argument("--warmup", type=float, default=20.0,
                         help="requests sent before this (about one request's lifetime: the "
                         "batches fill up) are left out of the pre-fault level")
@@ -504,7 +549,7 @@ def main() -> None:
 
 
 # What a simulation needs of the command line, saved with each run for --resimulate.
-SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup")
+SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup", "fault_kind")
 
 
 def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEARTBEAT_S
@@ -524,20 +569,22 @@ def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEA
             raise SystemExit(f"{path}: seed {record.get('seed')} has no {', '.join(missing)} "
                              "(saved by an older bench): run it again with --save")
         try:
-            args = argparse.Namespace(**record["settings"], policy=record["policy"],
+            # Runs saved before --fault were all kills.
+            args = argparse.Namespace(**{"fault_kind": "kill", **record["settings"]},
+                                      policy=record["policy"],
                                       admission_heartbeat_s=heartbeat_s)
             given, fault = record["given"], record["fault"]
             splits = [ServingSplit(**x) for x in record.get("splits", [])]
             served = [Served(**x) for x in record.get("real", [])]
             overhead, source = given_overhead_s(given, splits, served, which)
-            simulated, reload_s, cut_off = run_sim(
+            simulated, back_s, cut_off = run_sim(
                 [tuple(x) for x in record["sent"]], fault, given["victim"],
                 given["process_start_s"], overhead, args)
             real = Side(**record["metrics"]["real"])
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"{path}: seed {record.get('seed')}: a malformed record "
                              f"({type(exc).__name__}: {exc}); run it again with --save") from None
-        sim = measure(simulated, fault, args.warmup, reload_s, cut_off)
+        sim = measure(simulated, fault, args.warmup, back_s, cut_off)
         print(f"seed {record['seed']}, policy {record['policy']} (real side as saved; "
               f"serving overhead {overhead * 1000:.1f} ms, {source}):")
         print(table(real, sim))
@@ -621,8 +668,9 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     load_before = os.getloadavg()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lumen-validate-sim-") as tmp:
-        print(f"  real: {len(requests)} requests over {args.duration:g} s, SIGKILL of "
-              f"{VICTIM}'s engine at {args.fault_at:g} s ...", file=sys.stderr, flush=True)
+        print(f"  real: {len(requests)} requests over {args.duration:g} s, "
+              f"{FAULT_SIGNALS[args.fault_kind].name} of {VICTIM}'s engine at "
+              f"{args.fault_at:g} s ...", file=sys.stderr, flush=True)
         root = (Path(tmp) if args.workdir is None
                 else args.workdir / f"seed{args.seed}-{args.policy}")
         root.mkdir(parents=True, exist_ok=True)
@@ -632,7 +680,9 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     fault, back = real_run.fault, real_run.back_after
     model = sim_model(args.model)
     init_s = model.init_s * args.time_scale
-    process_start = max(0.0, back - init_s) if back is not None else 0.0
+    # Its restart began when the engine was gone (a hung one: at the supervisor's kill).
+    process_start = (max(0.0, back - real_run.killed_after - init_s) if back is not None
+                     else 0.0)
     probe_tokens = PROBE_TOKENS + len("probe 00 ")
     modelled_lone = lone_ttft_s(args.model, probe_tokens, args.time_scale)
     idle_overhead = max(0.0, real_run.idle_ttft_gateway_s - modelled_lone)
@@ -640,17 +690,18 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     overhead, source = given_overhead_s({"overhead_s": idle_overhead}, real_run.splits,
                                         served, args.overhead)
     sent = sent_requests(real_run.outcomes)
-    simulated, reload_s, cut_off = run_sim(sent, fault, real_run.victim_index, process_start,
+    simulated, back_s, cut_off = run_sim(sent, fault, real_run.victim_index, process_start,
                                            overhead, args)
     real = measure(real_served(real_run.outcomes), fault, args.warmup, back,
                    real_run.decisions)
-    sim = measure(simulated, fault, args.warmup, reload_s, cut_off)
+    sim = measure(simulated, fault, args.warmup, back_s, cut_off)
     record: dict[str, object] = {
         "seed": args.seed, "policy": args.policy, "fault": fault,
         "settings": {name: getattr(args, name) for name in SETTINGS},
         "given": {"process_start_s": process_start, "overhead_s": overhead,
                   "idle_overhead_s": idle_overhead,
-                  "victim": real_run.victim_index},
+                  "victim": real_run.victim_index,
+                  "killed_after_s": real_run.killed_after},
         "sent": sent,
         "splits": [asdict(x) for x in real_run.splits],
         "metrics": {"real": asdict(real), "simulated": asdict(sim)},
@@ -663,7 +714,8 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
           f"{output[0]}-{output[1]} tokens; utilisation "
           f"{utilisation(args.model, args.rate, args.nodes, prompt, output, args.time_scale):.0%} "
           f"of the cost "
-          f"model's capacity per worker), SIGKILL of one engine at {fault:.2f} s")
+          f"model's capacity per worker), {FAULT_SIGNALS[args.fault_kind].name} of one "
+          f"engine at {fault:.2f} s")
     print(table(real, sim))
     print(f"simulator given: restart = process start {process_start:.2f} s (measured: real "
           f"kill-to-serving minus the model's {init_s:g} s init) + init; serving overhead "
@@ -674,6 +726,10 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
           f"minus the model's {modelled_lone * 1000:.0f} ms; straight to an engine "
           f"{real_run.idle_ttft_direct_s * 1000:.0f} ms; idle cluster, {PROBES} each); "
           f"restores {args.restore_mbps:g} MB/s beside the engine")
+    if args.fault_kind == "hang":
+        print(f"hung engine killed by its supervisor {real_run.killed_after:.2f} s after the "
+              f"SIGSTOP (the simulator: {SimConfig().hang_detect_s:g} s, "
+              f"SupervisorTiming.hung_kill_after_s)")
     for split in real_run.splits:
         print(split_line(split, real_served(real_run.outcomes), simulated, overhead))
     late = real_run.late_step_s / real_run.modelled_step_s if real_run.modelled_step_s else 0

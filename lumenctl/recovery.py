@@ -106,12 +106,16 @@ class Replay:
     fill in live (times relative to `start`), so a watcher can show them while it runs."""
 
     def __init__(self, cluster: LocalCluster, requests: list[Request], fault_at: float | None,
-                 victim: str) -> None:
+                 victim: str, fault_signal: signal.Signals = signal.SIGKILL) -> None:
         self.cluster, self.requests = cluster, requests
         self.fault_at, self.victim = fault_at, victim
+        # SIGKILL: the engine crashes; SIGSTOP: it hangs (alive, answering nothing) until
+        # its supervisor's probes kill it.
+        self.fault_signal = fault_signal
         self.outcomes = [Outcome(r) for r in requests]
         self.start = 0.0  # time.monotonic() when the trace started
         self.fault: float | None = None  # seconds into the trace, once done
+        self.fault_pid: int | None = None  # the engine the fault hit
 
     def now(self) -> float:
         return time.monotonic() - self.start
@@ -146,8 +150,8 @@ class Replay:
         view = await asyncio.to_thread(read_view, self.cluster.endpoints, self.cluster.cluster)
         pid = next(e.pid for e in view.workers[self.victim].engines if e.role == "active")
         assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        self.fault = self.now()
+        os.kill(pid, self.fault_signal)
+        self.fault, self.fault_pid = self.now(), pid
 
     async def _one(self, session: aiohttp.ClientSession, gateway: str,
                    outcome: Outcome) -> None:

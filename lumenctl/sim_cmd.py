@@ -32,6 +32,7 @@ class FailMode(StrEnum):
     node = "node"
     correlated = "correlated"
     gray = "gray"
+    hang = "hang"
 
 
 class Fmt(StrEnum):

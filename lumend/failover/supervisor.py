@@ -56,8 +56,10 @@ LOG_DISK_FULL_BYTES = 1 << 20
 @dataclass(frozen=True)
 class SupervisorTiming:
     tick_s: float = 0.1
-    # A live engine that has not answered for hung_after_failures x probe_deadline_s is
-    # hung; generous enough that a busy CPU does not get a healthy engine killed.
+    # A live engine that has not answered hung_after_failures probes in a row, one a tick,
+    # each given probe_deadline_s, is hung: killed about hung_after_failures x
+    # (probe_deadline_s + tick_s) after it stopped answering; generous enough that a busy
+    # CPU does not get a healthy engine killed.
     probe_deadline_s: float = 2.0
     hung_after_failures: int = 3  # consecutive probe failures of a live process
     start_timeout_s: float = 600.0  # an engine not past initialising by then is killed
@@ -69,6 +71,14 @@ class SupervisorTiming:
     stable_s: float = 60.0
     takeover_wait_s: float = 120.0  # engines wait this long for a shadow to take over
     stop_grace_s: float = 10.0
+
+    @property
+    def hung_kill_after_s(self) -> float:
+        """Expected seconds from an engine's last answer to its kill as hung: the next
+        tick's probe starts within a tick (half of one on average), then
+        hung_after_failures probes each wait out the deadline, a tick apart."""
+        failures = self.hung_after_failures
+        return failures * self.probe_deadline_s + (failures - 1) * self.tick_s + self.tick_s / 2
 
 
 @dataclass
@@ -221,9 +231,12 @@ class WorkerSupervisor:
             self.ever_active = True
             if self.pending_failover is not None:
                 self._failover_done(active[0])
-            # On failure keep the last load; the probe decides about health.
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                self.load = await self.adapter.load(session, active[0].spec)
+            # On failure keep the last load; the probe decides about health. An engine that
+            # just missed its probe is not asked: a hung one would hold the tick for a
+            # second deadline, and hung_after_failures ticks would take twice as long.
+            if active[0].probe_failures == 0:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                    self.load = await self.adapter.load(session, active[0].spec)
 
     # -- engines --------------------------------------------------------------------------
 

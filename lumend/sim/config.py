@@ -18,6 +18,9 @@ class FaultKind(StrEnum):
     correlated = "correlated"  # that worker and the worker holding most of its checkpoints
     #                            are lost with their host memory (e.g. a shared power domain)
     gray = "gray"              # that worker keeps running, slowed down by a factor
+    hang = "hang"              # that worker's engine stops answering (alive, holding its
+    #                            streams and still admitted to) until its supervisor's
+    #                            probes kill it (SimConfig.hang_detect_s), then as `worker`
 
     @property
     def host_lost(self) -> bool:
@@ -116,6 +119,10 @@ class SimConfig:
     # then it is still admitted to and placed on.
     crash_detect_s: float = 0.1
     host_detect_s: float = 10.0
+    # A hung engine is killed after SupervisorTiming's probes fail in a row: its
+    # hung_kill_after_s with the defaults (a test holds the two equal). Until then its
+    # lumend reports the load from before the hang and the coordinator still admits to it.
+    hang_detect_s: float = 6.25
     # Shadow engines: an initialised standby takes a crashed engine's place (Dynamo measured
     # kill -> serving ~0.5 s). Not for a lost host: its shadows die with it.
     shadows: bool = False
@@ -148,7 +155,7 @@ class SimConfig:
         if self.init_s < 0 or (self.reload_s is not None and self.reload_s < 0):
             raise ValueError(f"init_s and reload_s must be >= 0 s, got {self.init_s} and "
                              f"{self.reload_s}")
-        for name in ("crash_detect_s", "host_detect_s", "shadow_takeover_s",
+        for name in ("crash_detect_s", "host_detect_s", "hang_detect_s", "shadow_takeover_s",
                      "request_overhead_s", "admission_heartbeat_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")

@@ -294,6 +294,7 @@ class Simulation:
         self.orphans: list[Req] = []    # admitted while no worker was alive
         self.samples: list[Sample] = []
         self.fault: FaultRecord | None = None
+        self.hung = -1  # the worker whose engine hangs, between the fault and its kill
         self.checkpointing = cfg.policy.checkpoints
         self.replicas = cfg.replicas if self.checkpointing else 0
         # Link backlogs matter only for what a fault loses: tracked until the (one) fault.
@@ -403,7 +404,8 @@ class Simulation:
         """Worker w reports its running + waiting (none while it is down: its new engine
         starts empty)."""
         i = w.idx
-        self.col_beat[i] = self.col_queue[i] if self.col_alive[i] else 0
+        if i != self.hung:  # a hung engine's lumend repeats the last load it scraped
+            self.col_beat[i] = self.col_queue[i] if self.col_alive[i] else 0
         self._touch(i)
         if arrivals_left or self.unfinished:
             self._push(now + self.cfg.admission_heartbeat_s, EV_HEARTBEAT, w)
@@ -817,7 +819,7 @@ class Simulation:
                 self._push(now + spec.gray_duration_s, EV_GRAY_END, w)
             self.fault = FaultRecord(now, [], [hit], self._holder_balance())
             return
-        if spec.kind is FaultKind.worker:
+        if spec.kind in (FaultKind.worker, FaultKind.hang):
             failed = [hit]
         elif spec.kind is FaultKind.node:
             failed = [w.idx for w in self.workers if w.node == self.workers[hit].node]
@@ -850,7 +852,13 @@ class Simulation:
         self._checkpoint_at_fault(interrupted, egress_lost, set(failed) if host_lost else set(),
                                   now)
         self.track_links = False
-        delay = self.cfg.host_detect_s if host_lost else self.cfg.crash_detect_s
+        if spec.kind is FaultKind.hang:
+            # Frozen where it stood: its streams stall, and it is still admitted to, on the
+            # load its lumend last reported, until the kill.
+            self.hung = hit
+            delay = self.cfg.hang_detect_s
+        else:
+            delay = self.cfg.host_detect_s if host_lost else self.cfg.crash_detect_s
         self._push(now + delay, EV_DETECT, failed)
 
     def _checkpoint_at_fault(self, interrupted: list[Req], egress_lost: dict[Req, float],
@@ -934,6 +942,10 @@ class Simulation:
         moved: list[Req] = []
         for idx in failed:
             w = self.workers[idx]
+            if idx == self.hung:
+                # What it was given while hung was never read by the engine: the gateways
+                # find it refused at the kill and admit it again (not a cut-off stream).
+                self.hung = -1
             self.col_alive[idx] = False
             self.col_queue[idx] = self.col_beat[idx] = 0
             self._touch(idx)
@@ -955,7 +967,8 @@ class Simulation:
         self._refresh_work()
         for r in moved:
             self._recover(r, now)
-        at = self.fault.at
+        # The way back starts when the engine is gone: at the fault, or at a hung one's kill.
+        at = now if cfg.fault.kind is FaultKind.hang else self.fault.at
         if cfg.shadows and not host_lost:
             back = max(now, at + cfg.shadow_takeover_s)
         else:

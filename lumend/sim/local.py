@@ -53,12 +53,14 @@ LOCAL_HEARTBEAT_S = 1.0
 
 def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
                          fault_at_s: float, restore_bytes_per_s: float,
+                         fault_kind: FaultKind = FaultKind.worker,
                          process_start_s: float, request_overhead_s: float = 0.0,
                          victim: int = 0, budget_bytes: float = GIB,
                          heartbeat_s: float = 0.0,
                          base: SimConfig | None = None) -> SimConfig:
     """A SimConfig of `workers` one-engine nodes running sim engines of `model_name` at
-    `time_scale`, worker `victim`'s engine SIGKILLed at `fault_at_s` (no shadows). The
+    `time_scale`, worker `victim`'s engine SIGKILLed at `fault_at_s` (`fault_kind`
+    FaultKind.hang: SIGSTOPped, killed by its supervisor later; no shadows). The
     workers are in the coordinator's order (by name), so that admission's ties go where
     they go on the cluster: `victim` is the killed worker's place in that order. Restores
     run beside the engine, as the sim engine loads pages before it queues the request.
@@ -80,5 +82,5 @@ def local_cluster_config(model_name: str, time_scale: float, workers: int, *,
         request_overhead_s=request_overhead_s, admission_heartbeat_s=heartbeat_s,
         restore_bytes_per_s=restore_bytes_per_s, restore_async=True,
         reload_s=restart_seconds(model, time_scale, process_start_s), shadows=False,
-        fault=FaultSpec(kind=FaultKind.worker, at_s=fault_at_s, worker=victim),
+        fault=FaultSpec(kind=fault_kind, at_s=fault_at_s, worker=victim),
     )

@@ -17,7 +17,7 @@ import pytest
 
 from lumenctl.localcluster import free_port_run, free_ports
 from lumend.config import WorkerConfig
-from lumend.engine.adapter import SimAdapter, VllmAdapter
+from lumend.engine.adapter import EngineLoad, EngineSpec, SimAdapter, VllmAdapter
 from lumend.engine.sim_core import decode, encode, reference_completion
 from lumend.engine.vllm_version import vllm_problem
 from lumend.failover.supervisor import EngineSlot, SupervisorTiming, WorkerSupervisor
@@ -27,7 +27,8 @@ PROMPT = "the quick brown fox"
 
 
 def make_supervisor(tmp_path: Path, shadows: int = 1,
-                    cls: type[WorkerSupervisor] = WorkerSupervisor) -> WorkerSupervisor:
+                    cls: type[WorkerSupervisor] = WorkerSupervisor,
+                    adapter: SimAdapter | None = None) -> WorkerSupervisor:
     # Consecutive ports, all free, below the ephemeral range (the shadow's is port + 1; a
     # port there can be taken by any outgoing connection meanwhile: CI once saw the
     # shadow fail to bind, "address already in use", until the test gave up).
@@ -35,7 +36,8 @@ def make_supervisor(tmp_path: Path, shadows: int = 1,
     worker = WorkerConfig(name="w0", gpus=[0], engine="sim", shadows=shadows,
                           model="sim-small", port=port)
     return cls(
-        "node-1", worker, SimAdapter(), runtime_dir=tmp_path / "run", log_dir=tmp_path / "logs",
+        "node-1", worker, adapter or SimAdapter(), runtime_dir=tmp_path / "run",
+        log_dir=tmp_path / "logs",
         timing=SupervisorTiming(tick_s=0.05, probe_deadline_s=0.5, hung_after_failures=3),
         time_scale=0.2,
     )
@@ -142,20 +144,40 @@ def test_twenty_sigkills_the_shadow_serves_and_weights_are_never_reloaded(
     run(scenario())
 
 
+class LoadAsked(SimAdapter):
+    """The sim adapter, recording which engine URL each load scrape went to."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def load(self, session: aiohttp.ClientSession, spec: EngineSpec) -> EngineLoad:
+        self.asked.append(spec.url)
+        return await super().load(session, spec)
+
+
 def test_a_hung_active_engine_is_killed_and_the_shadow_takes_over(tmp_path: Path) -> None:
     async def scenario() -> None:
-        sup = make_supervisor(tmp_path)
+        adapter = LoadAsked()
+        sup = make_supervisor(tmp_path, adapter=adapter)
         async with running(sup) as session:
             await wait_for(lambda: slot_in(sup, "active") is not None
                            and slot_in(sup, "standby") is not None, 30, "active + standby")
             active = slot_in(sup, "active")
             assert active is not None and active.proc is not None
-            hung_pid = active.proc.pid
+            hung_pid, hung_url = active.proc.pid, active.spec.url
+            asked_before = len(adapter.asked)
             os.kill(hung_pid, signal.SIGSTOP)  # alive, holding the lock, answering nothing
             await wait_for(lambda: (s := slot_in(sup, "active")) is not None
                            and s.proc is not None and s.proc.pid != hung_pid, 30,
                            "the shadow to take over from the hung engine")
             assert sup.counters.hung_kills == 1
+            # Its load is not scraped once it missed a probe: each scrape would wait out a
+            # second deadline per tick and double the time to the kill. (A tick already
+            # past its probe when the signal came may still ask once.)
+            scraped_hung = adapter.asked[asked_before:].count(hung_url)
+            assert scraped_hung <= 1, (
+                f"the hung engine's load was scraped {scraped_hung} times after it stopped "
+                f"answering (hung_after_failures = {sup.timing.hung_after_failures})")
             assert await complete(session, sup) is not None
             # The killed engine is gone for good, not merely stopped.
             try:

@@ -67,6 +67,7 @@ def assert_conserved(result: SimResult) -> None:
 def test_detection_and_eviction_defaults_are_the_products() -> None:
     cfg = SimConfig()
     assert cfg.crash_detect_s == SupervisorTiming().tick_s
+    assert cfg.hang_detect_s == pytest.approx(SupervisorTiming().hung_kill_after_s)
     assert cfg.host_detect_s == EtcdSection(endpoints=["http://e:2379"]).lease_ttl_s
     assert cfg.eviction == CheckpointSection().eviction
     assert set(EVICTIONS) == set(PRODUCT_EVICTIONS)
@@ -77,7 +78,7 @@ def test_detection_and_eviction_defaults_are_the_products() -> None:
 
 @pytest.mark.parametrize("policy_name", sorted(VARIANTS))
 @pytest.mark.parametrize("fault", [FaultKind.worker, FaultKind.node, FaultKind.correlated,
-                                   FaultKind.fraction])
+                                   FaultKind.fraction, FaultKind.hang])
 def test_every_request_completes_exactly_once(policy_name: str, fault: FaultKind) -> None:
     assert_conserved(cached(policy_name, fault))
 
@@ -135,6 +136,52 @@ def test_a_lost_host_is_noticed_at_the_lease_ttl_a_crash_at_the_supervisor_tick(
     assert node.host_lost and not crash.host_lost
     assert node.detected_at == pytest.approx(FAULT_AT + 10.0)
     assert crash.detected_at == pytest.approx(FAULT_AT + 0.1)
+
+
+def test_a_hung_engine_stalls_its_streams_until_the_kill_and_reloads_from_there() -> None:
+    hang = cached("lumen", FaultKind.hang)
+    crash = cached("lumen", FaultKind.worker)
+    assert hang.fault is not None and crash.fault is not None
+    detect = SimConfig().hang_detect_s
+    assert hang.fault.detected_at == pytest.approx(FAULT_AT + detect)
+    reload_s = load_cost_model(MODEL, GPU).load_time(3e9, 20.0)
+    assert hang.fault.back_at == pytest.approx(FAULT_AT + detect + reload_s)
+    # Its streams stop at the hang (no token from it after) and go on only once moved.
+    stalled = interrupted(hang)
+    assert stalled and all(r.interrupted_at == FAULT_AT for r in stalled)
+    assert min(r.replay_first for r in stalled) >= FAULT_AT + detect
+    # It is still admitted to while hung: those requests wait for the kill and are moved
+    # then, but were never streams it cut off (the gateways find them refused).
+    stranded = [r for r in hang.requests
+                if FAULT_AT < r.arrival < FAULT_AT + detect and r.epoch > 0]
+    assert stranded and all(r.first_token >= FAULT_AT + detect for r in stranded)
+    moved = sum(1 for r in hang.requests if r.epoch > 0)
+    assert hang.fault.cut_off == moved - len(stranded)
+    # Negative control: the crash is noticed at the tick, its streams resume within the
+    # hang's detection time, and it is back a reload after the fault.
+    assert min(r.replay_first for r in interrupted(crash)) < FAULT_AT + detect
+    assert crash.fault.back_at == pytest.approx(FAULT_AT + reload_s)
+    assert mean([r.first_token - r.arrival for r in hang.requests]) > mean(
+        [r.first_token - r.arrival for r in crash.requests])
+    assert_conserved(hang)
+
+
+def test_a_hung_engines_lumend_repeats_its_last_load_to_admission() -> None:
+    beats: list[tuple[float, int, int]] = []
+
+    class Watched(Simulation):
+        def _heartbeat(self, w: object, now: float, arrivals_left: bool) -> None:
+            super()._heartbeat(w, now, arrivals_left)  # type: ignore[arg-type]
+            if FAULT_AT - 2 < now < FAULT_AT + SimConfig().hang_detect_s:
+                beats.append((now, self.col_beat[0], self.col_queue[0]))
+
+    Watched(workload(), config("lumen", FaultKind.hang, admission_heartbeat_s=1.0)).run()
+    during = [(beat, queue) for t, beat, queue in beats if t > FAULT_AT]
+    before = [beat for t, beat, _ in beats if t < FAULT_AT]
+    assert during and before
+    assert {beat for beat, _ in during} == {before[-1]}
+    # What it was given meanwhile counts in its column all the same (none finish).
+    assert during[-1][1] > during[0][1] >= before[-1] - 1
 
 
 # -- shadow engines ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import contextlib
 import gzip
 import io
 import json
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -199,3 +200,26 @@ def test_the_simulator_is_given_the_serving_path_under_load_where_a_run_measured
     assert "client - engine 20.0 ms" in line
     assert "at the engines real - simulated -50.0 ms" in line  # 0.38 - (0.45 - 0.02)
     assert "w0 2 / 2 requests, 400 / 430 ms" in line
+
+
+def test_a_stopped_engine_is_not_gone_until_it_is_killed() -> None:
+    """The hang's kill is timed by `process_gone`: a SIGSTOPped process is there; killed, it
+    is gone even before its parent reaps it (a zombie), and after."""
+    import signal
+    import subprocess
+    import sys
+
+    v = load_bench()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child.send_signal(signal.SIGSTOP)
+        assert not v.process_gone(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not v.process_gone(child.pid):  # a zombie until waited for
+            assert time.monotonic() < deadline, "a killed process never showed as gone"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert v.process_gone(child.pid)
