@@ -175,6 +175,41 @@ def test_the_simulator_agrees_with_the_runs_that_measured_the_serving_path() -> 
     assert failure_free(exact) < 0.97
 
 
+def test_the_simulator_agrees_with_the_runs_where_the_engine_hung(tmp_path: Path) -> None:
+    # Ten real runs (bench/data, 2026-12-07: seeds 7 11 13 17 19, both policies) where the
+    # victim's engine was SIGSTOPped, not killed: alive, answering nothing, still admitted
+    # to, until its supervisor's probes killed it (6.20-6.26 s after; the simulator is given
+    # its modelled 6.25 s, not the measured moment). Mean TTFT within 10% and TPOT 15% in
+    # every run, the streams cut off within 15% or two, the worker back within 1%, recovery
+    # at 50% within 15% on the mean. Negative control: the same runs simulated as a crash
+    # at the SIGSTOP's moment: the backlog starts 6 s early and every run's mean TTFT comes
+    # out more than 10% low.
+    v = load_bench()
+    saved = DATA / "validation-2026-12-07-hang.json.gz"
+    with contextlib.redirect_stdout(io.StringIO()):
+        runs = v.resimulate(saved)
+    assert len(runs) == 10
+    for run in runs:
+        where = (run.seed, run.policy)
+        assert abs(run.sim.ttft_s / run.real.ttft_s - 1) <= 0.10, where
+        assert abs(run.sim.tpot_s / run.real.tpot_s - 1) <= v.AGREEMENT, where
+        assert abs(run.sim.interrupted - run.real.interrupted) <= max(
+            2, v.AGREEMENT * run.real.interrupted), where
+        assert abs(run.sim.back_after_s / run.real.back_after_s - 1) <= 0.01, where
+    recovery = [run.sim.recovery_s / run.real.recovery_s for run in runs]
+    assert abs(sum(recovery) / len(recovery) - 1) <= v.AGREEMENT
+
+    data = json.loads(gzip.decompress(saved.read_bytes()))
+    for record in data["runs"]:
+        assert record["settings"]["fault_kind"] == "hang"
+        record["settings"]["fault_kind"] = "kill"
+    as_kill = tmp_path / "as-kill.json"
+    as_kill.write_text(json.dumps(data))
+    with contextlib.redirect_stdout(io.StringIO()):
+        crashed = v.resimulate(as_kill)
+    assert all(run.sim.ttft_s / run.real.ttft_s < 0.90 for run in crashed)
+
+
 def test_the_simulator_is_given_the_serving_path_under_load_where_a_run_measured_it() -> None:
     """Client - engine mean TTFT over the first tokens before the fault (the engines'
     queueing is the simulator's to model, not given); the idle probe for runs saved
