@@ -36,6 +36,17 @@ def test_table_output_and_local_output_option() -> None:
     assert json.loads(as_json.stdout)["fault"] == "worker"
 
 
+def test_every_fault_kind_but_fraction_is_a_fail_mode() -> None:
+    from lumenctl.sim_cmd import FailMode
+    from lumend.sim.config import FaultKind
+
+    # --fail-fraction gives `fraction`; every other kind is one --fail value.
+    assert {m.value for m in FailMode} == {k.value for k in FaultKind} - {"fraction"}
+    hang = lumenctl("-o", "json", "sim", *TINY, "--policy", "lumen", "--fail", "hang")
+    assert hang.returncode == 0, hang.stderr
+    assert json.loads(hang.stdout)["fault"] == "hang"
+
+
 def test_malformed_trace_names_line_and_column(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.1,100,10\n"
