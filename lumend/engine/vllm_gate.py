@@ -39,11 +39,6 @@ from lumend.failover.lock import FailoverLock
 
 GATED_PATHS = ("/v1/completions", "/v1/chat/completions")
 SERVER_UP_TIMEOUT_S = 300.0
-# An active engine's core must answer a utility call this fast for the probe to pass: the
-# API server (this process) answers HTTP while a core stuck in a GPU call or a collective
-# serves nothing. It answers between steps, so one step must fit; under the supervisor's
-# 2 s probe deadline, so the probe fails with this reason rather than its own timeout.
-CORE_ANSWER_S = 1.5
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 log = logging.getLogger("vllm.lumen_gate")  # under vllm.: vLLM's log configuration applies
@@ -180,23 +175,6 @@ die_with_supervisor()
 _gate = _Gate()
 
 
-async def _core_stuck(request: Any) -> str | None:
-    """Why an active engine's core does not serve (it did not answer a utility call within
-    CORE_ANSWER_S, or failed it), or None. Only while active: a standby's core may be busy
-    sleeping or waking, which is not a hang."""
-    client = getattr(request.app.state, "engine_client", None)
-    if client is None or _gate.state != "active":
-        return None
-    try:
-        await asyncio.wait_for(client.is_sleeping(), CORE_ANSWER_S)
-    except TimeoutError:
-        return (f"engine {_gate.engine_id}'s engine core has not answered for "
-                f"{CORE_ANSWER_S:g} s: hung (its API server still answers)")
-    except Exception as exc:  # EngineDeadError and whatever a dead core gives
-        return f"engine {_gate.engine_id}'s engine core failed: {exc!r}"
-    return None
-
-
 async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     """Starlette HTTP middleware (vLLM's `--middleware lumend.engine.vllm_gate.gate`)."""
     from starlette.responses import JSONResponse
@@ -211,9 +189,6 @@ async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         return JSONResponse({"error": {"message": refusal.message, "type": "forbidden",
                                        "param": None, "code": 403}}, status_code=403)
     if path == "/lumen/engine":
-        stuck = await _core_stuck(request)
-        if stuck is not None:
-            return JSONResponse({**_gate.info(), "error": stuck}, status_code=503)
         return JSONResponse(_gate.info())
     if path == "/lumen/release" and request.method == "POST":
         try:
