@@ -7,6 +7,7 @@ and restarts; adapters hold no state of their own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -133,6 +134,10 @@ class EngineAdapter(Protocol):
     async def load(self, session: aiohttp.ClientSession, spec: EngineSpec) -> EngineLoad: ...
 
 
+class EngineNotServing(ValueError):
+    """An engine answered its probe but said it cannot serve (a hung vLLM engine core)."""
+
+
 class HttpEngineAdapter:
     """Both engine kinds expose LUMEN's lifecycle endpoints (`/lumen/engine`,
     `/lumen/release`) and vLLM's `/metrics`; they differ only in how they are started."""
@@ -152,6 +157,12 @@ class HttpEngineAdapter:
 
     async def probe(self, session: aiohttp.ClientSession, spec: EngineSpec) -> str:
         async with session.get(spec.url + "/lumen/engine") as response:
+            if response.status == 503:  # the engine says why it does not serve
+                why = None
+                with contextlib.suppress(aiohttp.ContentTypeError, ValueError, AttributeError):
+                    why = (await response.json()).get("error")
+                if why:
+                    raise EngineNotServing(str(why))
             response.raise_for_status()
             body = await response.json()
         state = str(body["state"])

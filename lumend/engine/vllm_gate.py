@@ -8,6 +8,10 @@ API server dies, however it dies. Configured by the environment the adapter sets
 LUMEN_ENGINE_ID and LUMEN_FAILOVER_LOCK.
 
 Endpoints added: GET /lumen/engine (state), POST /lumen/release (planned switchover).
+While active, GET /lumen/engine answers 503 with the reason once the engine core (another
+process) has answered nothing and moved no stream for LUMEN_CORE_HANG_S (20 s): the hang a
+GPU engine has, which this server would otherwise never show (lumend.engine.core_watch).
+The supervisor kills the engine as hung after that probe fails three times.
 
 Control paths (everything but inference and read-only probes: vLLM's dev endpoints and
 LUMEN's release/assist) are refused with 403 unless the request comes from this machine and
@@ -32,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from lumend.engine.core_watch import CoreWatch, hang_after_s_from
 from lumend.engine.engine_auth import TOKEN_ENV, TOKEN_HEADER, Refusal, control_refusal
 from lumend.engine.metric_names import ENGINE_CONTROL_REFUSED, deprecated
 from lumend.failover.lifeline import die_with_supervisor
@@ -54,6 +59,7 @@ class _Gate:
         # Asleep before it counts as a standby: the supervisor registers nothing sooner.
         self.state = "initialising" if self.sleep_mode else "standby"
         self.activated_at: float | None = None
+        self.activated_mono = 0.0  # monotonic: when the core's silence starts to count
         self.in_flight = 0
         self.token = os.environ.get(TOKEN_ENV) or None
         if self.token is None:
@@ -73,6 +79,7 @@ class _Gate:
                     time.sleep(0.02)
             if self.sleep_mode:
                 self._call_engine("/wake_up")
+            self.activated_mono = time.monotonic()
             self.state = "active"
             self.activated_at = time.time()
             self._wake.wait()  # set by a release; then queue for the lock again
@@ -173,6 +180,29 @@ _refusals = _Refusals()
 
 die_with_supervisor()
 _gate = _Gate()
+_HANG_AFTER_S = hang_after_s_from(dict(os.environ))  # a bad value stops the start, says why
+_watch: CoreWatch | None = None
+
+
+def _core_watch(request: Any) -> CoreWatch | None:
+    """The watch on this server's engine core (vLLM's engine client), made on first use."""
+    global _watch
+    if _watch is None:
+        client = getattr(request.app.state, "engine_client", None)
+        if client is not None:
+            _watch = CoreWatch(client.is_sleeping, _HANG_AFTER_S)
+    return _watch
+
+
+def _core_stuck(request: Any) -> str | None:
+    """Why an active engine's core does not serve, or None; asks the core again. Only
+    while active: a standby's core sleeps or wakes, which is not a hang."""
+    watch = _core_watch(request)
+    if watch is None or _gate.state != "active":
+        return None
+    watch.poke()
+    why = watch.verdict(_gate.activated_mono)
+    return None if why is None else f"engine {_gate.engine_id}: {why}"
 
 
 async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
@@ -189,6 +219,9 @@ async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         return JSONResponse({"error": {"message": refusal.message, "type": "forbidden",
                                        "param": None, "code": 403}}, status_code=403)
     if path == "/lumen/engine":
+        stuck = _core_stuck(request)
+        if stuck is not None:
+            return JSONResponse({**_gate.info(), "error": stuck}, status_code=503)
         return JSONResponse(_gate.info())
     if path == "/lumen/release" and request.method == "POST":
         try:
@@ -216,6 +249,8 @@ async def gate(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         async def counted() -> Any:  # a stream is in flight until its last chunk is sent
             try:
                 async for chunk in body:
+                    if _watch is not None:
+                        _watch.progress()
                     yield chunk
             finally:
                 _gate.in_flight -= 1

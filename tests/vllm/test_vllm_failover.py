@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from lumenctl.localcluster import free_ports
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import VllmAdapter
+from lumend.engine.core_watch import hang_after_s_from
 from lumend.failover.supervisor import SupervisorTiming, WorkerSupervisor
 from lumend.gms.client import GmsClient
 
@@ -151,3 +154,89 @@ def test_hot_standby_survives_sigkill_of_the_active_vllm(
             await task
 
     asyncio.run(scenario())
+
+
+def test_a_hung_engine_core_behind_a_live_api_server_is_killed(
+    tiny_llama: Path, vllm_env: None, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The hang a GPU engine has: its engine core stuck (in a kernel, a collective) while
+    its API server, another process, still answers HTTP. Before the gate watched the core,
+    the probe said "active" for as long as anyone watched (25 s, by hand) and the supervisor
+    never killed it. With the product's window (LUMEN_CORE_HANG_S, 20 s) it is killed once
+    the core has answered nothing and moved no stream for that long. Negative control: a
+    core busy streaming passes every probe."""
+    worker = WorkerConfig(name="v0", gpus=[0], engine="vllm", shadows=0, model=str(tiny_llama),
+                          args=list(VLLM_ARGS), port=consecutive_ports(1))
+    sup = WorkerSupervisor(
+        "node-1", worker, VllmAdapter(), runtime_dir=tmp_path / "run", log_dir=tmp_path / "logs",
+        timing=SupervisorTiming(tick_s=0.1, probe_deadline_s=2.0, start_timeout_s=400),
+    )
+    window = hang_after_s_from(dict(os.environ))
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(sup.run(stop))
+        stopped: list[int] = []
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                deadline = time.monotonic() + 400
+                while not any(x.state == "active" for x in sup.slots):
+                    assert time.monotonic() < deadline, f"no active engine; see {tmp_path}"
+                    await asyncio.sleep(0.5)
+                active = next(x for x in sup.slots if x.state == "active")
+                assert active.proc is not None
+                api = active.proc.pid
+                tokens: list[float] = []
+
+                async def stream(count: int) -> None:
+                    async with s.post(active.spec.url + "/v1/completions", json={
+                        "model": str(tiny_llama), "prompt": PROMPT, "max_tokens": count,
+                        "temperature": 0, "stream": True, "ignore_eos": True,
+                    }) as r:
+                        assert r.status == 200, await r.text()
+                        async for _ in r.content:
+                            tokens.append(time.monotonic())
+
+                await stream(120)  # busy: the probes pass
+                assert sup.counters.hung_kills == 0 and active.state == "active"
+                assert len(tokens) >= 120
+
+                tokens.clear()
+                hung = asyncio.create_task(stream(200))
+                while len(tokens) < 10:
+                    await asyncio.sleep(0.01)
+                stopped = [p for p in process_tree(api) if p != api]
+                assert stopped, "vLLM runs its engine core in a process of its own"
+                for p in stopped:
+                    os.kill(p, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+                await asyncio.sleep(1.0)  # what the core sent before it stopped arrives
+                frozen_at = len(tokens)
+                deadline = time.monotonic() + window + 40
+                while sup.counters.hung_kills < 1:
+                    assert time.monotonic() < deadline, (
+                        f"the hung engine was never killed (probe failures "
+                        f"{active.probe_failures}); see {tmp_path}/logs")
+                    await asyncio.sleep(0.1)
+                killed_after = time.monotonic() - stopped_at
+                print(f"the hung engine was killed {killed_after:.1f} s after its core stopped "
+                      f"(window {window:g} s)")  # a measurement (-s), not a bound
+                assert killed_after >= window, "killed before the window was up"
+                assert len(tokens) == frozen_at, "the stream went on while the core hung"
+                assert any("has answered nothing" in r.getMessage() for r in caplog.records), \
+                    "the kill did not give the core's silence as its reason"
+                deadline = time.monotonic() + 30
+                while group_alive(api):
+                    assert time.monotonic() < deadline, "the hung engine's processes remain"
+                    await asyncio.sleep(0.1)
+                hung.cancel()
+                await asyncio.gather(hung, return_exceptions=True)
+        finally:
+            for p in stopped:  # killed with their group; a leftover would stay stopped
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            stop.set()
+            await task
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
