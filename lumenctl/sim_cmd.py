@@ -93,7 +93,9 @@ def sim(
         "longest_prefix_protected or refuse (lumend's [checkpoint] eviction)."),
     detect: float | None = typer.Option(
         None, "--detect", help="Seconds until a failure is noticed (default: 0.1 for an "
-        "engine crash, the supervisor's tick; 10 for a lost host, the lease TTL)."),
+        "engine crash, the supervisor's tick; 10 for a lost host, the lease TTL; 6.25 for a "
+        "hung engine, three probes; about 20.3 models a vLLM engine core hung behind its "
+        "live API server, LUMEN_CORE_HANG_S)."),
     theta: float | None = typer.Option(None, "--theta", help="Algorithm 2 load threshold."),
     tau: int | None = typer.Option(None, "--tau", help="Algorithm 2 prefix threshold, blocks."),
     budget: float | None = typer.Option(
@@ -199,6 +201,7 @@ def sim(
             shadows=shadows, replicas=replicas, eviction=eviction,
             crash_detect_s=detect if detect is not None else base.crash_detect_s,
             host_detect_s=detect if detect is not None else base.host_detect_s,
+            hang_detect_s=detect if detect is not None else base.hang_detect_s,
             reload_gbps=reload_gbps if reload_gbps is not None else base.reload_gbps,
         )
         if budget is not None and budget < 0:
@@ -470,7 +473,7 @@ def _document(scenario: str | None, cfg: SimConfig, workload: Workload,
         "theta": cfg.policy.theta, "tau": cfg.policy.tau,
         "budget_gib": cfg.budget_bytes / (1 << 30), "seed": cfg.seed,
         "eviction": cfg.eviction, "crash_detect_s": cfg.crash_detect_s,
-        "host_detect_s": cfg.host_detect_s,
+        "host_detect_s": cfg.host_detect_s, "hang_detect_s": cfg.hang_detect_s,
         "policies": policies, "comparisons": comparisons,
     }
 

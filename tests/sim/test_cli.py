@@ -44,7 +44,16 @@ def test_every_fault_kind_but_fraction_is_a_fail_mode() -> None:
     assert {m.value for m in FailMode} == {k.value for k in FaultKind} - {"fraction"}
     hang = lumenctl("-o", "json", "sim", *TINY, "--policy", "lumen", "--fail", "hang")
     assert hang.returncode == 0, hang.stderr
-    assert json.loads(hang.stdout)["fault"] == "hang"
+    doc = json.loads(hang.stdout)
+    assert doc["fault"] == "hang" and doc["hang_detect_s"] == 6.25
+    # A vLLM engine core hung behind its API server is found later (LUMEN_CORE_HANG_S):
+    # --detect models that, and the interrupted requests wait the longer for it.
+    core = lumenctl("-o", "json", "sim", *TINY, "--policy", "lumen", "--fail", "hang",
+                    "--detect", "20.3")
+    assert core.returncode == 0, core.stderr
+    slow = json.loads(core.stdout)
+    assert slow["hang_detect_s"] == 20.3
+    assert slow["policies"][0]["mean_ttft_s"] > doc["policies"][0]["mean_ttft_s"]
 
 
 def test_malformed_trace_names_line_and_column(tmp_path: Path) -> None:
