@@ -407,10 +407,24 @@ def engine_metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+def running(pid: int | None) -> bool:
+    """A process that runs (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return pid is not None and Path(f"/proc/{pid}/stat").read_text().rsplit(
+            ")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def shadow_ready(cluster: EtcdCluster) -> dict[str, Any] | None:
-    """The cluster's status once both workers serve and node-1's shadow stands by."""
+    """The cluster's status once both workers serve and node-1's shadow stands by, every
+    engine it lists running: right after a kill the status can still show the engine killed
+    as active (a run here went on 2 s after node-2's kill with node-2 recovering, so no
+    checkpoint had a holder and the shadow had none to load)."""
     doc = lumenctl(cluster, "status")
     if len(doc["workers"]) != 2 or any(w["state"] != "serving" for w in doc["workers"]):
+        return None
+    if not all(running(e.get("pid")) for w in doc["workers"] for e in w["engines"]):
         return None
     mine = next(w for w in doc["workers"] if w["node"] == "node-1")
     states = sorted((e["role"], e["state"]) for e in mine["engines"])
@@ -638,61 +652,65 @@ async def streams_across_a_shadow_takeover(
 
 async def sampled_stream_across_a_kill(session: aiohttp.ClientSession, cluster: EtcdCluster,
                                       gateway_node: LumendNode) -> tuple[Result, str, Case]:
-    """A seeded sampled stream, its engine killed mid-way once both workers serve again:
-    the result and the text the client had at the kill."""
-    def serving() -> dict[str, Any] | None:
-        doc = lumenctl(cluster, "status")
-        return doc if len(doc["workers"]) == 2 and all(
-            w["state"] == "serving" for w in doc["workers"]) else None
-
-    doc = await asyncio.to_thread(wait_until, serving, 600, "the killed worker serving again")
+    """A seeded sampled stream, its engine killed mid-way once both workers serve again and
+    node-1's new shadow stands by: the result and the text the client had at the kill."""
+    # Not as soon as both serve: node-1's engine killed before restarts as its shadow, and
+    # a vLLM start-up takes both cores for a minute. On CI (stop 26) the scrapes that tell
+    # which worker runs the stream then lagged so far that three streams of 480 tokens each
+    # ended before it was known.
+    doc = await asyncio.to_thread(wait_until, lambda: shadow_ready(cluster), 900,
+                                  "both workers serving and node-1's new shadow standing by")
     await asyncio.sleep(2.5)  # the gateway's and the coordinator's views
     case = next(c for c in cases(None) if c.sampled)
-    workers = [w["name"] for w in doc["workers"]]
+    actives = {w["name"]: next(e["pid"] for e in w["engines"] if e["role"] == "active")
+               for w in doc["workers"]}
+    # Which worker runs it is read while both active engines are frozen (SIGSTOP): on an
+    # idle machine the 480 tokens took 1.1 s and a scrape of the gateway's metrics returned
+    # only once they had (three tries in a row here, and on CI, stop 26), so a stream
+    # found by scraping while it ran had always ended. Frozen, it cannot end; the frozen
+    # survivor is let go within a scrape, well inside lumend's hung-engine limit.
+    busy: str | None = None
     for attempt in range(3):
         resumed_before = (await asyncio.to_thread(
             gateway_counter, gateway_node, "lumen_gateway_requests_total")).get("resumed", 0)
         seen_text = [""]
-        # Where it opened, from the count of streams opened per worker: the count of streams
-        # in flight missed it once (CI, stop 24), the stream opening and ending between two
-        # scrapes of a loaded machine.
+        # Where it opened, from the count of streams opened per worker (monotonic).
         was = None
         while was is None:
             was = await asyncio.to_thread(streams_opened_by_worker, gateway_node)
         seen = [0]
         task = asyncio.create_task(run(session, gateway_node.gateway, case, seen, seen_text))
         opened_at = time.monotonic()
-        deadline = opened_at + 120
-        busy: str | None = None
-        while busy is None:
-            ended = task.done()  # before the scrape: a stream it opened shows in that scrape
-            now = await asyncio.to_thread(streams_opened_by_worker, gateway_node)
-            if now is None:
-                continue
-            busy = next((w for w in workers if now.get(w, 0) > was.get(w, 0)), None)
-            assert busy is not None or not ended, \
-                f"the request ended without an engine stream: {task.result()}"
-            assert time.monotonic() < deadline, "the sampled stream never opened"
-            await asyncio.sleep(0.05)
-        known_at = time.monotonic()
         # It sends no ids, so `seen` counts chunks: up to 4 tokens each (speculative decoding).
-        deadline = time.monotonic() + 300
+        deadline = opened_at + 300
         while seen[0] < KILL_AFTER // 4 and not task.done():
             assert time.monotonic() < deadline, "the sampled stream is slow"
-            await asyncio.sleep(0.02)
-        if not task.done():
-            break
+            await asyncio.sleep(0.005)
+        for pid in actives.values():
+            os.killpg(pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            now = None
+            while now is None and not task.done():
+                now = await asyncio.to_thread(streams_opened_by_worker, gateway_node)
+            if now is not None and not task.done():
+                busy = next((w for w in actives if now.get(w, 0) > was.get(w, 0)), None)
+                assert busy is not None, "a stream in flight that no worker's count shows"
+                os.killpg(actives[busy], signal.SIGKILL)
+                break
+        finally:
+            for name, pid in actives.items():
+                if name != busy:
+                    os.killpg(pid, signal.SIGCONT)
         # Ended before the kill could reach it: no evidence either way, if it ended well.
-        early = task.result()
+        early = await task
         assert early.status == 200 and not early.errors, early
         print(f"the sampled stream ended before the kill (try {attempt + 1}, "
-              f"{time.monotonic() - opened_at:.2f} s after it was sent, its worker known "
-              f"{known_at - opened_at:.2f} s after); again")
+              f"{frozen_at - opened_at:.2f} s after it was sent, with {seen[0]} chunks); again")
     else:
         raise AssertionError("three sampled streams ended before the kill could reach them")
-    engine = next(w for w in doc["workers"] if w["name"] == busy)
-    os.killpg(next(e["pid"] for e in engine["engines"] if e["role"] == "active"),
-              signal.SIGKILL)
+    print(f"killed {busy}'s engine under the sampled stream {time.monotonic() - frozen_at:.2f} "
+          f"s into the freeze, {seen[0]} chunks in")
 
     before = seen_text[0]
     got = await task
