@@ -57,7 +57,9 @@ def status_tables(doc: dict[str, Any]) -> RenderableType:
         workers.add_column(column)
     for w in doc["workers"]:
         workers.add_row(
-            w["name"], w["node"], w["state"], _engines(w["engines"]), _load(w["load"]),
+            w["name"], w["node"],
+            w["state"] + (f" (stalled: {w['stalled']})" if w.get("stalled") else ""),
+            _engines(w["engines"]), _load(w["load"]),
             _checkpoints(w["checkpoints"]), _intents(w["intents"]),
         )
 

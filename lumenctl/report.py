@@ -137,6 +137,7 @@ def _worker(worker: WorkerRecord, intents: list[Intent]) -> dict[str, Any]:
         "name": worker.name,
         "node": worker.node,
         "state": worker.state,
+        "stalled": worker.stalled or None,
         "engine": worker.engine,
         "model": worker.model,
         "gpus": list(worker.gpus),

@@ -164,8 +164,13 @@ class EngineCollector(Collector):
                                      "of the worker's engine logs (state_dir/logs); below "
                                      "1 MiB what the engines write is lost.",
                                      labels=["worker"])
+        stalled = GaugeMetricFamily("lumen_worker_stalled", "1 while the worker's active "
+                                    "engine is taken as stalled (a missed probe, a silent "
+                                    "engine core): admitted to only when no other can be.",
+                                    labels=["worker"])
         for sup in supervisors:
             worker = sup.worker.name
+            stalled.add_metric([worker], 1.0 if sup.stalled else 0.0)
             for slot in sup.slots:
                 for name in ENGINE_STATES:
                     state.add_metric([worker, slot.spec.engine_id, name],
@@ -181,7 +186,7 @@ class EngineCollector(Collector):
             seconds.add_metric([worker], buckets, sum_value=sum(c.failover_seconds))
             if sup.log_dir_free is not None:
                 log_free.add_metric([worker], float(sup.log_dir_free))
-        yield from (state, failovers, restarts, hung, gms, seconds, log_free)
+        yield from (state, failovers, restarts, hung, gms, seconds, log_free, stalled)
 
 
 class CheckpointCollector(Collector):

@@ -104,6 +104,10 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float
     draft: str = ""  # while assisting: its draft server (tcp://host:port)
     assist: AssistUsage | None = None  # while a drafter assists this worker
+    # Why its active engine is taken as stalled (a missed probe, a silent engine core),
+    # "" while it answers: serving still (its streams wait for it), but new requests,
+    # checkpoints and interrupted requests go elsewhere while another worker can take them.
+    stalled: str = ""
 
 
 class CoordinatorRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -102,12 +102,17 @@ class NotReady(Exception):
     """The coordinator has not read the cluster yet."""
 
 
-def eligible(view: ClusterView, worker: WorkerRecord) -> bool:
-    """Serving, registered, with engines, and not drained: only such a worker is admitted
-    to, holds new checkpoints or takes an interrupted request. A drain intent counts from
-    the moment it is in the view, before the worker's node publishes it as draining."""
+def serving(view: ClusterView, worker: WorkerRecord) -> bool:
+    """Serving, registered, with engines, and not drained. A drain intent counts from the
+    moment it is in the view, before the worker's node publishes it as draining."""
     return (worker.state == "serving" and worker.node in view.nodes and bool(worker.engines)
             and not any(i.kind == "drain" for i in view.intents_for(worker)))
+
+
+def eligible(view: ClusterView, worker: WorkerRecord) -> bool:
+    """Serving and not stalled: only such a worker is admitted to, holds new checkpoints or
+    takes an interrupted request (a stalled one is admitted to when no other can be)."""
+    return serving(view, worker) and not worker.stalled
 
 
 class CoordinatorService:
@@ -254,6 +259,16 @@ class CoordinatorService:
         cfg = cols.cfg
         mode = cfg.mode.value
         index = book.least_loaded(cols, alive)
+        stalled_only = ""
+        if index is None:  # rather a stalled worker (it may answer again) than a refusal
+            fallback = [i not in skip and serving(view, w) and bool(w.stalled)
+                        and (not model or w.model == model)
+                        for i, w in enumerate(cols.workers)]
+            index = min((i for i, ok in enumerate(fallback) if ok),
+                        key=lambda i: (cols.queue[i], i), default=None)
+            if index is not None:
+                stalled_only = (f" (every other worker unavailable; it is stalled: "
+                                f"{cols.workers[index].stalled})")
         if index is None:
             self.decisions["no_worker"] += 1
             what = f"model {model!r}" if model else "any model"
@@ -266,6 +281,7 @@ class CoordinatorService:
         else:
             reason = (f"admitted to {worker.name} (L_hat "
                       f"{l_hat(cols.ckpt[index], cols.queue[index], cfg):.3g}, the lowest)")
+        reason += stalled_only
         # The size is not known up front; one byte asks for a holder with any budget at all.
         placed = book.holder(cols, index)
         ckpt = None
@@ -442,7 +458,7 @@ class CoordinatorService:
                 why = ("it left" if worker is None else
                        f"it is {worker.state}" if worker.state != "assisting" else
                        "its draft server moved")
-            elif survivor is None or not eligible(view, survivor):
+            elif survivor is None or not serving(view, survivor):  # a stall passes
                 why = f"survivor {a.survivor} is not serving"
             elif not policy.uses_assist:
                 why = f"policy {policy.mode.value} has no draft-assist"

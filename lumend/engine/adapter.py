@@ -21,6 +21,7 @@ from lumend.cluster.models import WorkerLoad
 from lumend.engine.metric_names import (
     CKPT_REQUESTS_COMPLETE,
     CKPT_REQUESTS_RUNNING,
+    ENGINE_CORE_SILENT,
     ckpt_counter,
     deprecated,
 )
@@ -81,6 +82,10 @@ class EngineLoad:
     steps: int | None = None
     # The step-cost fit's sums (lumend.engine.step_fit.FIT_KEYS), None: not exported.
     step_fit: tuple[float, ...] | None = None
+    # Seconds the engine's core has left a question unanswered (vLLM: the gate's watch;
+    # lumend.engine.core_watch); 0 while it answers or when not exported. Not in the
+    # worker's record: the supervisor turns it into the record's `stalled`.
+    core_silent_s: float = 0.0
 
     def report(self) -> WorkerLoad:
         """The worker's load as its record carries it. The cumulative counters are exact
@@ -324,7 +329,8 @@ _LOAD_METRICS = (*FIT_METRICS, "vllm:num_requests_running", "vllm:num_requests_w
                  "vllm:kv_cache_usage_perc", *_COVERAGE, *map(deprecated, _COVERAGE),
                  RESTORED_BYTES, RESTORED_TOKENS, RESTORE_SECONDS, PREFILL_SECONDS,
                  PROMPT_TOKENS,
-                 PROMPT_TOKENS_BY_SOURCE, *(n for pair in STEP_COUNTERS for n in pair))
+                 PROMPT_TOKENS_BY_SOURCE, *(n for pair in STEP_COUNTERS for n in pair),
+                 ENGINE_CORE_SILENT)
 
 
 LUMEN_SPECULATIVE_CONFIG = json.dumps({
@@ -388,6 +394,8 @@ def parse_load(metrics_text: str) -> EngineLoad:
         step_s=step_s,
         steps=None if steps is None else int(steps),
         step_fit=None if fit is None else fit.values(),
+        core_silent_s=silent if math.isfinite(silent := values.get(ENGINE_CORE_SILENT, 0.0))
+        and silent > 0 else 0.0,
     )
 
 

@@ -81,6 +81,14 @@ class CoreWatch:
             self._answered_at = self._clock()
             self._asked_at = None
 
+    def silent_s(self, since: float) -> float:
+        """How long the outstanding question has waited (from `since` at the earliest);
+        0 when none is outstanding. A few seconds is common on a busy machine; lumend
+        takes a worker whose core is silent this long as stalled (admits elsewhere)."""
+        if self._asked_at is None:
+            return 0.0
+        return max(0.0, self._clock() - max(self._asked_at, since))
+
     def verdict(self, since: float) -> str | None:
         """Why the core does not serve, or None. Only time from `since` (when the engine
         became active) counts: a standby's core may be busy waking."""

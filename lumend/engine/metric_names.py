@@ -16,6 +16,9 @@ CKPT_REQUESTS_COMPLETE = "lumen_ckpt_requests_complete"
 # Control requests an engine's gate refused (vLLM engines), by reason: remote, no_token,
 # bad_token (prometheus_client appends `_total`).
 ENGINE_CONTROL_REFUSED = "lumen_engine_control_refused"
+# Seconds the active engine's core has left a question unanswered (vLLM engines: the core is
+# a process apart from the API server that serves /metrics); 0 while it answers.
+ENGINE_CORE_SILENT = "lumen_engine_core_silent_seconds"
 
 
 def ckpt_counter(key: str) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 
 from lumend.engine.core_watch import CoreWatch, hang_after_s_from
 from lumend.engine.engine_auth import TOKEN_ENV, TOKEN_HEADER, Refusal, control_refusal
-from lumend.engine.metric_names import ENGINE_CONTROL_REFUSED, deprecated
+from lumend.engine.metric_names import ENGINE_CONTROL_REFUSED, ENGINE_CORE_SILENT, deprecated
 from lumend.failover.lifeline import die_with_supervisor
 from lumend.failover.lock import FailoverLock
 
@@ -192,6 +192,28 @@ def _core_watch(request: Any) -> CoreWatch | None:
         if client is not None:
             _watch = CoreWatch(client.is_sleeping, _HANG_AFTER_S)
     return _watch
+
+
+def _core_silent_s() -> float:
+    """Seconds the active engine's core has left the watch's question unanswered."""
+    if _watch is None or _gate.state != "active":
+        return 0.0
+    return _watch.silent_s(_gate.activated_mono)
+
+
+def _export_core_silence() -> None:
+    """`lumen_engine_core_silent_seconds` in this server's /metrics, read at each scrape:
+    lumend admits elsewhere while it is high, long before the hang window is up."""
+    try:
+        from prometheus_client import Gauge
+
+        Gauge(ENGINE_CORE_SILENT, "Seconds this engine's core has left a question "
+              "unanswered while active (0: it answers).").set_function(_core_silent_s)
+    except (ImportError, ValueError):  # no client, or registered twice in one process
+        pass
+
+
+_export_core_silence()
 
 
 def _core_stuck(request: Any) -> str | None:

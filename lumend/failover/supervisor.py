@@ -71,6 +71,11 @@ class SupervisorTiming:
     stable_s: float = 60.0
     takeover_wait_s: float = 120.0  # engines wait this long for a shadow to take over
     stop_grace_s: float = 10.0
+    # A worker whose active engine missed a probe, or whose engine core has left a question
+    # unanswered this long (vLLM: LUMEN_CORE_HANG_S kills it later), is stalled: admitted
+    # to only when no other worker can take a request. A busy CPU engine's step can take
+    # seconds; being passed over for a few seconds costs it little.
+    stalled_after_s: float = 5.0
 
     @property
     def hung_kill_after_s(self) -> float:
@@ -154,6 +159,7 @@ class WorkerSupervisor:
         self.on_failover = on_failover
         self.checkpoint_keys = checkpoint_keys
         self.load = EngineLoad(0, 0, 0.0)
+        self.stalled = ""  # why the active engine is taken as stalled (_note_stalled)
         self.gms_proc: subprocess.Popen[bytes] | None = None
         self.pending_failover: FailoverRecord | None = None
         self.ever_active = False
@@ -237,6 +243,24 @@ class WorkerSupervisor:
             if active[0].probe_failures == 0:
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                     self.load = await self.adapter.load(session, active[0].spec)
+        self._note_stalled(active[0] if active else None)
+
+    def _note_stalled(self, active: EngineSlot | None) -> None:
+        """Why the active engine is taken as stalled now ("" if it is not), logged when
+        that starts and ends."""
+        why = ""
+        if active is not None and active.probe_failures:
+            why = (f"engine {active.spec.engine_id} missed {active.probe_failures} "
+                   "probe(s) in a row")
+        elif active is not None and self.load.core_silent_s >= self.timing.stalled_after_s:
+            why = (f"engine {active.spec.engine_id}'s core has answered nothing for over "
+                   f"{self.timing.stalled_after_s:g} s")
+        if why and not self.stalled:
+            log.warning("worker %s stalled: %s; new requests go to other workers while one "
+                        "can take them", self.worker.name, why)
+        elif self.stalled and not why and active is not None:
+            log.info("worker %s answers again (was: %s)", self.worker.name, self.stalled)
+        self.stalled = why
 
     # -- engines --------------------------------------------------------------------------
 
@@ -614,6 +638,7 @@ class WorkerSupervisor:
             load=self.load.report(),
             updated_at=time.time(),
             draft=self.draft_endpoint if self.draft_proc is not None else "",
+            stalled=self.stalled,
         )
 
     def worker_state(self) -> WorkerState:

@@ -44,7 +44,7 @@ def _snapshot(view: ClusterView, down: str | None, cfg: PolicyConfig
         WorkerLoad(name=w.name, node=w.node, ckpt_bytes=float(w.checkpoints.bytes_held),
                    queue=w.load.running + w.load.waiting,
                    budget_bytes=float(w.checkpoints.budget_bytes),
-                   alive=w.state == "serving" and w.name != down
+                   alive=w.state == "serving" and w.name != down and not w.stalled
                    and not any(i.kind == "drain" for i in view.intents_for(w)),
                    work_s=(queued_prefill_s(w.load.running + w.load.waiting, w.load.running,
                                             cfg) if cfg.cost_aware else None))

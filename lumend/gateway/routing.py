@@ -42,7 +42,8 @@ def choose_worker(
     in_flight: Mapping[str, int],
     exclude: frozenset[str] = frozenset(),
 ) -> Target | None:
-    """The least-loaded serving worker for `model` (any model when None), or None."""
+    """The least-loaded serving worker for `model` (any model when None), or None; a
+    stalled one (its engine missed a probe) only when no other serves."""
     candidates = [
         w for w in view.workers.values()
         if w.state == "serving" and w.name not in exclude and not drained(view, w)
@@ -50,7 +51,7 @@ def choose_worker(
     ]
     if not candidates:
         return None
-    best = min(candidates, key=lambda w: (w.load.running + w.load.waiting
+    best = min(candidates, key=lambda w: (bool(w.stalled), w.load.running + w.load.waiting
                                           + in_flight.get(w.name, 0), w.name))
     return Target.of(best)
 

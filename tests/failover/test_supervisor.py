@@ -166,11 +166,18 @@ def test_a_hung_active_engine_is_killed_and_the_shadow_takes_over(tmp_path: Path
             assert active is not None and active.proc is not None
             hung_pid, hung_url = active.proc.pid, active.spec.url
             asked_before = len(adapter.asked)
+            assert sup.record().stalled == ""
             os.kill(hung_pid, signal.SIGSTOP)  # alive, holding the lock, answering nothing
+            # Stalled from its first missed probe (new requests go elsewhere meanwhile),
+            # seconds before the kill.
+            await wait_for(lambda: sup.record().stalled != "", 10, "the worker stalled")
+            assert "missed 1 probe(s)" in sup.record().stalled, sup.record().stalled
+            assert sup.counters.hung_kills == 0
             await wait_for(lambda: (s := slot_in(sup, "active")) is not None
                            and s.proc is not None and s.proc.pid != hung_pid, 30,
                            "the shadow to take over from the hung engine")
             assert sup.counters.hung_kills == 1
+            await wait_for(lambda: sup.record().stalled == "", 10, "the shadow answering")
             # Its load is not scraped once it missed a probe: each scrape would wait out a
             # second deadline per tick and double the time to the kill. (A tick already
             # past its probe when the signal came may still ask once.)

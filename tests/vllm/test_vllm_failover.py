@@ -197,8 +197,9 @@ def test_a_hung_engine_core_behind_a_live_api_server_is_killed(
                         async for _ in r.content:
                             tokens.append(time.monotonic())
 
-                await stream(120)  # busy: the probes pass
+                await stream(120)  # busy: the probes pass, the worker is not stalled
                 assert sup.counters.hung_kills == 0 and active.state == "active"
+                assert sup.record().stalled == ""
                 assert len(tokens) >= 120
 
                 tokens.clear()
@@ -213,14 +214,22 @@ def test_a_hung_engine_core_behind_a_live_api_server_is_killed(
                 await asyncio.sleep(1.0)  # what the core sent before it stopped arrives
                 frozen_at = len(tokens)
                 deadline = time.monotonic() + window + 40
+                stalled: tuple[float, str] | None = None  # when the worker was first stalled
                 while sup.counters.hung_kills < 1:
                     assert time.monotonic() < deadline, (
                         f"the hung engine was never killed (probe failures "
                         f"{active.probe_failures}); see {tmp_path}/logs")
+                    if stalled is None and sup.record().stalled:
+                        stalled = (time.monotonic() - stopped_at, sup.record().stalled)
                     await asyncio.sleep(0.1)
                 killed_after = time.monotonic() - stopped_at
                 print(f"the hung engine was killed {killed_after:.1f} s after its core stopped "
-                      f"(window {window:g} s)")  # a measurement (-s), not a bound
+                      f"(window {window:g} s); its worker stalled "
+                      f"{stalled[0] if stalled else float('nan'):.1f} s after")  # measured
+                # New requests went elsewhere long before the kill: the core's silence
+                # (its API server exports it) marks the worker stalled.
+                assert stalled is not None and "core has answered nothing" in stalled[1], stalled
+                assert sup.timing.stalled_after_s <= stalled[0] < killed_after, stalled
                 assert killed_after >= window, "killed before the window was up"
                 assert len(tokens) == frozen_at, "the stream went on while the core hung"
                 assert any("has answered nothing" in r.getMessage() for r in caplog.records), \
