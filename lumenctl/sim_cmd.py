@@ -96,6 +96,10 @@ def sim(
         "engine crash, the supervisor's tick; 10 for a lost host, the lease TTL; 6.25 for a "
         "hung engine, three probes; about 20.3 models a vLLM engine core hung behind its "
         "live API server, LUMEN_CORE_HANG_S)."),
+    stall: float | None = typer.Option(
+        None, "--stall", help="Seconds from a hang until its worker is taken as stalled and "
+        "admitted to no more (default 3: a missed probe; about 7 for a vLLM engine core "
+        "hung behind its API server)."),
     theta: float | None = typer.Option(None, "--theta", help="Algorithm 2 load threshold."),
     tau: int | None = typer.Option(None, "--tau", help="Algorithm 2 prefix threshold, blocks."),
     budget: float | None = typer.Option(
@@ -202,6 +206,7 @@ def sim(
             crash_detect_s=detect if detect is not None else base.crash_detect_s,
             host_detect_s=detect if detect is not None else base.host_detect_s,
             hang_detect_s=detect if detect is not None else base.hang_detect_s,
+            hang_stall_s=stall if stall is not None else base.hang_stall_s,
             reload_gbps=reload_gbps if reload_gbps is not None else base.reload_gbps,
         )
         if budget is not None and budget < 0:
@@ -474,6 +479,7 @@ def _document(scenario: str | None, cfg: SimConfig, workload: Workload,
         "budget_gib": cfg.budget_bytes / (1 << 30), "seed": cfg.seed,
         "eviction": cfg.eviction, "crash_detect_s": cfg.crash_detect_s,
         "host_detect_s": cfg.host_detect_s, "hang_detect_s": cfg.hang_detect_s,
+        "hang_stall_s": cfg.hang_stall_s,
         "policies": policies, "comparisons": comparisons,
     }
 

@@ -123,6 +123,11 @@ class SimConfig:
     # hung_kill_after_s with the defaults (a test holds the two equal). Until then its
     # lumend reports the load from before the hang and the coordinator still admits to it.
     hang_detect_s: float = 6.25
+    # From its first missed probe (2 s) the hung worker's record says `stalled`, and the
+    # coordinator, reading the cluster once per HA cycle, admits and places checkpoints
+    # elsewhere: measured on the real cluster 2.4-2.9 s to etcd, plus up to a 1 s cycle.
+    # (A vLLM core hung behind its API server: silent 5 s, asked every 1 s: about 7.)
+    hang_stall_s: float = 3.0
     # Shadow engines: an initialised standby takes a crashed engine's place (Dynamo measured
     # kill -> serving ~0.5 s). Not for a lost host: its shadows die with it.
     shadows: bool = False
@@ -155,7 +160,8 @@ class SimConfig:
         if self.init_s < 0 or (self.reload_s is not None and self.reload_s < 0):
             raise ValueError(f"init_s and reload_s must be >= 0 s, got {self.init_s} and "
                              f"{self.reload_s}")
-        for name in ("crash_detect_s", "host_detect_s", "hang_detect_s", "shadow_takeover_s",
+        for name in ("crash_detect_s", "host_detect_s", "hang_detect_s", "hang_stall_s",
+                     "shadow_takeover_s",
                      "request_overhead_s", "admission_heartbeat_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")

@@ -46,7 +46,7 @@ from lumend.sim.workload import Workload
 
 IDLE, STEP, RUN = 0, 1, 2
 (EV_STEP, EV_FAULT, EV_RESTORE, EV_DRAFT, EV_RELOAD, EV_SAMPLE, EV_GRAY_END,
- EV_DETECT, EV_ASSIST, EV_HEARTBEAT) = range(10)
+ EV_DETECT, EV_ASSIST, EV_HEARTBEAT, EV_STALL) = range(11)
 
 
 class SimError(RuntimeError):
@@ -360,6 +360,8 @@ class Simulation:
                 elif kind == EV_DETECT:
                     assert isinstance(obj, list)
                     self._detect(obj, now)
+                elif kind == EV_STALL:
+                    self._stall(tag)
                 elif kind == EV_DRAFT:
                     assert isinstance(obj, Worker)
                     self._draft_ready(obj, tag, now)
@@ -854,12 +856,21 @@ class Simulation:
         self.track_links = False
         if spec.kind is FaultKind.hang:
             # Frozen where it stood: its streams stall, and it is still admitted to, on the
-            # load its lumend last reported, until the kill.
+            # load its lumend last reported, until it is taken as stalled; killed later.
             self.hung = hit
             delay = self.cfg.hang_detect_s
+            if self.cfg.hang_stall_s < delay:
+                self._push(now + self.cfg.hang_stall_s, EV_STALL, None, hit)
         else:
             delay = self.cfg.host_detect_s if host_lost else self.cfg.crash_detect_s
         self._push(now + delay, EV_DETECT, failed)
+
+    def _stall(self, idx: int) -> None:
+        """The hung worker is stalled: no admission, no new checkpoint there (what it has
+        waits for the kill)."""
+        if idx == self.hung:
+            self.col_alive[idx] = False
+            self._touch(idx)
 
     def _checkpoint_at_fault(self, interrupted: list[Req], egress_lost: dict[Req, float],
                              dead_hosts: set[int], now: float) -> None:

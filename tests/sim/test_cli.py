@@ -49,10 +49,11 @@ def test_every_fault_kind_but_fraction_is_a_fail_mode() -> None:
     # A vLLM engine core hung behind its API server is found later (LUMEN_CORE_HANG_S):
     # --detect models that, and the interrupted requests wait the longer for it.
     core = lumenctl("-o", "json", "sim", *TINY, "--policy", "lumen", "--fail", "hang",
-                    "--detect", "20.3")
+                    "--detect", "20.3", "--stall", "7")
     assert core.returncode == 0, core.stderr
     slow = json.loads(core.stdout)
-    assert slow["hang_detect_s"] == 20.3
+    assert slow["hang_detect_s"] == 20.3 and slow["hang_stall_s"] == 7.0
+    assert doc["hang_stall_s"] == 3.0
     assert slow["policies"][0]["mean_ttft_s"] > doc["policies"][0]["mean_ttft_s"]
 
 

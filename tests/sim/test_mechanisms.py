@@ -150,11 +150,15 @@ def test_a_hung_engine_stalls_its_streams_until_the_kill_and_reloads_from_there(
     stalled = interrupted(hang)
     assert stalled and all(r.interrupted_at == FAULT_AT for r in stalled)
     assert min(r.replay_first for r in stalled) >= FAULT_AT + detect
-    # It is still admitted to while hung: those requests wait for the kill and are moved
-    # then, but were never streams it cut off (the gateways find them refused).
+    # It is still admitted to while hung, until it is taken as stalled: those requests wait
+    # for the kill and are moved then, but were never streams it cut off (the gateways find
+    # them refused). From the stall on, arrivals go to the others.
+    stall = SimConfig().hang_stall_s
+    assert 0 < stall < detect
     stranded = [r for r in hang.requests
                 if FAULT_AT < r.arrival < FAULT_AT + detect and r.epoch > 0]
     assert stranded and all(r.first_token >= FAULT_AT + detect for r in stranded)
+    assert all(r.arrival < FAULT_AT + stall for r in stranded), "admitted though stalled"
     moved = sum(1 for r in hang.requests if r.epoch > 0)
     assert hang.fault.cut_off == moved - len(stranded)
     # Negative control: the crash is noticed at the tick, its streams resume within the
@@ -164,6 +168,22 @@ def test_a_hung_engine_stalls_its_streams_until_the_kill_and_reloads_from_there(
     assert mean([r.first_token - r.arrival for r in hang.requests]) > mean(
         [r.first_token - r.arrival for r in crash.requests])
     assert_conserved(hang)
+
+
+def test_a_stalled_worker_gets_no_arrival_and_without_the_stall_it_would() -> None:
+    detect, stall = SimConfig().hang_detect_s, SimConfig().hang_stall_s
+    window = (FAULT_AT + stall + 0.1, FAULT_AT + detect)
+
+    def stranded(result: SimResult) -> tuple[int, int]:
+        """Arrivals in the window, and those admitted to the hung worker (moved later)."""
+        arrivals = [r for r in result.requests if window[0] < r.arrival < window[1]]
+        return len(arrivals), sum(1 for r in arrivals if r.epoch > 0)
+
+    arrived, to_hung = stranded(cached("lumen", FaultKind.hang))
+    assert arrived > 0 and to_hung == 0
+    # Negative control: taken as stalled only at the kill, it still gets its share.
+    arrived, to_hung = stranded(sim("lumen", FaultKind.hang, hang_stall_s=detect))
+    assert arrived > 0 and to_hung > 0
 
 
 def test_a_hung_engines_lumend_repeats_its_last_load_to_admission() -> None:
