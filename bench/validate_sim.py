@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +373,9 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
                                process_start_s=process_start_s, request_overhead_s=overhead_s,
                                victim=victim,
                                heartbeat_s=args.admission_heartbeat_s)
+    # A hung worker stalled as the product recorded did: never, before the stall existed.
+    stall = getattr(args, "hang_stall_s", None)
+    cfg = replace(cfg, hang_stall_s=cfg.hang_detect_s if stall is None else stall)
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)
     # The worker a request's first token came from: the victim's requests cut off with
@@ -527,6 +530,9 @@ def main() -> None:
                         help="no cluster: simulate again the real runs a --save wrote (after "
                         "a change to the simulator) and compare with their real side")
     args = parser.parse_args()
+    # The product's stall (a hung worker admitted to no more from its first missed probe),
+    # saved with each run: runs saved before it stalled nothing (resimulated so).
+    args.hang_stall_s = SimConfig().hang_stall_s
     if args.admission_heartbeat_s < 0:
         parser.error("--admission-heartbeat must be 0 (exact counts) or a positive interval")
     if args.resimulate is not None:
@@ -549,7 +555,8 @@ def main() -> None:
 
 
 # What a simulation needs of the command line, saved with each run for --resimulate.
-SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup", "fault_kind")
+SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup", "fault_kind",
+            "hang_stall_s")
 
 
 def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEARTBEAT_S
@@ -569,8 +576,9 @@ def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEA
             raise SystemExit(f"{path}: seed {record.get('seed')} has no {', '.join(missing)} "
                              "(saved by an older bench): run it again with --save")
         try:
-            # Runs saved before --fault were all kills.
-            args = argparse.Namespace(**{"fault_kind": "kill", **record["settings"]},
+            # Runs saved before --fault were all kills; before the stall, none stalled.
+            args = argparse.Namespace(**{"fault_kind": "kill", "hang_stall_s": None,
+                                         **record["settings"]},
                                       policy=record["policy"],
                                       admission_heartbeat_s=heartbeat_s)
             given, fault = record["given"], record["fault"]
