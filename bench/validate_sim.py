@@ -61,7 +61,7 @@ from typing import Any
 
 import aiohttp
 
-from lumenctl.localcluster import LocalCluster
+from lumenctl.localcluster import LocalCluster, process_running
 from lumenctl.recovery import (
     DecisionLog,
     Outcome,
@@ -248,15 +248,6 @@ async def idle_ttft(url: str, prompt_tokens: int, count: int) -> float:
     return statistics.median(ttfts[2:])
 
 
-def process_gone(pid: int) -> bool:
-    """`pid` has exited (reaped, or a zombie its parent has yet to reap)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
 class BackWatch:
     """When the victim's engine was gone (a hung one: when its supervisor killed it) and
     when the victim worker serves again from a new engine."""
@@ -275,7 +266,7 @@ class BackWatch:
             await asyncio.gather(gone, return_exceptions=True)
 
     async def _gone(self, run: Replay) -> None:
-        while run.fault_pid is None or not process_gone(run.fault_pid):
+        while run.fault_pid is None or process_running(run.fault_pid):
             await asyncio.sleep(0.02)
         self.gone_at = run.now()
 
@@ -374,7 +365,7 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
                                victim=victim,
                                heartbeat_s=args.admission_heartbeat_s)
     # A hung worker stalled as the product recorded did: never, before the stall existed.
-    stall = getattr(args, "hang_stall_s", None)
+    stall = args.hang_stall_s
     cfg = replace(cfg, hang_stall_s=cfg.hang_detect_s if stall is None else stall)
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)

@@ -78,6 +78,18 @@ def etcd_binary() -> str:
     return found
 
 
+def process_running(pid: int | None) -> bool:
+    """`pid` runs: it exists and is not a zombie (an exited process whose parent, or the
+    reaper of an orphan, has not collected it yet) or dead."""
+    if pid is None:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
     if proc.poll() is not None:
         return

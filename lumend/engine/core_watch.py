@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 HANG_AFTER_ENV = "LUMEN_CORE_HANG_S"
 DEFAULT_HANG_AFTER_S = 20.0
 ASK_INTERVAL_S = 1.0
 
 
-def hang_after_s_from(environ: dict[str, str] | None) -> float:
+def hang_after_s_from(environ: Mapping[str, str]) -> float:
     """The window from the environment (LUMEN_CORE_HANG_S), else the default. A bad value
     is an error that says what is wanted: an engine must not start with no hang check."""
-    raw = (environ or {}).get(HANG_AFTER_ENV, "").strip()
+    raw = environ.get(HANG_AFTER_ENV, "").strip()
     if not raw:
         return DEFAULT_HANG_AFTER_S
     try:

@@ -180,7 +180,7 @@ _refusals = _Refusals()
 
 die_with_supervisor()
 _gate = _Gate()
-_HANG_AFTER_S = hang_after_s_from(dict(os.environ))  # a bad value stops the start, says why
+_HANG_AFTER_S = hang_after_s_from(os.environ)  # a bad value stops the start, says why
 _watch: CoreWatch | None = None
 
 

@@ -40,6 +40,7 @@ import yaml
 
 from lumenctl.demo import read_view
 from lumenctl.localcluster import free_ports
+from lumenctl.localcluster import process_running as alive  # zombies count as gone
 from lumend.checkpoint.security import CurveKeys
 
 REPO = Path(__file__).parents[2]
@@ -311,16 +312,6 @@ def stop_pid_file(path: Path) -> None:
             return
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
-
-
-def alive(pid: int) -> bool:
-    # start-stop-daemon detaches them: they are not our children, and an exited one may stay
-    # a zombie until whatever runs as PID 1 reaps it.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lumenctl.localcluster import process_running as alive  # zombies count as gone
 from lumend.config import WorkerConfig
 from lumend.engine.adapter import VllmAdapter
 from lumend.failover.lifeline import (
@@ -21,14 +22,6 @@ from lumend.failover.lifeline import (
     reap_orphans,
 )
 from lumend.failover.supervisor import WorkerSupervisor
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_dead(pid: int, timeout_s: float = 10.0) -> bool:

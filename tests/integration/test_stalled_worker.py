@@ -15,12 +15,11 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import aiohttp
 
 from lumenctl.demo import read_view
-from lumenctl.localcluster import LocalCluster
+from lumenctl.localcluster import LocalCluster, process_running
 from lumenctl.recovery import lumenctl
 
 from .conftest import wait_until
@@ -93,7 +92,7 @@ def test_a_hung_engines_worker_gets_no_new_requests_before_its_kill(
         assert statuses == [200] * BURST
         assert during == {"node-1-w0": BURST, "node-2-w0": 0}, during
         # Still hung: killed as such (3 probes), not let go by the test.
-        wait_until(lambda: not running(engine.pid) or None, 30, "the hung engine killed")
+        wait_until(lambda: not process_running(engine.pid) or None, 30, "the hung engine killed")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine.pid, signal.SIGCONT)
@@ -104,10 +103,3 @@ def test_a_hung_engines_worker_gets_no_new_requests_before_its_kill(
                and not w.stalled and any(e.pid not in (None, engine.pid) for e in w.engines),
                60, "node-2-w0 serving again with a new engine")
 
-
-def running(pid: int) -> bool:
-    """Not gone and not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

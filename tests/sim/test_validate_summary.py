@@ -273,23 +273,24 @@ def test_the_simulator_is_given_the_serving_path_under_load_where_a_run_measured
 
 
 def test_a_stopped_engine_is_not_gone_until_it_is_killed() -> None:
-    """The hang's kill is timed by `process_gone`: a SIGSTOPped process is there; killed, it
-    is gone even before its parent reaps it (a zombie), and after."""
+    """The hang's kill is timed by `process_running` (lumenctl.localcluster): a SIGSTOPped
+    process runs; killed, it is gone even before its parent reaps it (a zombie), and after."""
     import signal
     import subprocess
     import sys
 
-    v = load_bench()
+    from lumenctl.localcluster import process_running
+
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         child.send_signal(signal.SIGSTOP)
-        assert not v.process_gone(child.pid)
+        assert process_running(child.pid)
         child.kill()
         deadline = time.monotonic() + 10
-        while not v.process_gone(child.pid):  # a zombie until waited for
+        while process_running(child.pid):  # a zombie until waited for
             assert time.monotonic() < deadline, "a killed process never showed as gone"
             time.sleep(0.01)
     finally:
         child.kill()
         child.wait()
-    assert v.process_gone(child.pid)
+    assert not process_running(child.pid) and not process_running(None)

@@ -51,6 +51,7 @@ from lumenctl.localcluster import (
     free_port_run,
     free_ports,
     node_config_toml,
+    process_running,
 )
 
 from ..integration.conftest import etcd, wait_until  # noqa: F401  # the etcd fixture
@@ -407,15 +408,6 @@ def engine_metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def running(pid: int | None) -> bool:
-    """A process that runs (not gone, not a zombie waiting to be reaped)."""
-    try:
-        return pid is not None and Path(f"/proc/{pid}/stat").read_text().rsplit(
-            ")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def shadow_ready(cluster: EtcdCluster) -> dict[str, Any] | None:
     """The cluster's status once both workers serve and node-1's shadow stands by, every
     engine it lists running: right after a kill the status can still show the engine killed
@@ -424,7 +416,7 @@ def shadow_ready(cluster: EtcdCluster) -> dict[str, Any] | None:
     doc = lumenctl(cluster, "status")
     if len(doc["workers"]) != 2 or any(w["state"] != "serving" for w in doc["workers"]):
         return None
-    if not all(running(e.get("pid")) for w in doc["workers"] for e in w["engines"]):
+    if not all(process_running(e.get("pid")) for w in doc["workers"] for e in w["engines"]):
         return None
     mine = next(w for w in doc["workers"] if w["node"] == "node-1")
     states = sorted((e["role"], e["state"]) for e in mine["engines"])

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from lumenctl.localcluster import free_ports, stop_process
+from lumenctl.localcluster import free_ports, process_running, stop_process
 from lumend.engine.adapter import LUMEN_SPECULATIVE_CONFIG
 from lumend.engine.gms_loader import GMS_CHUNK_ENV
 from lumend.engine.vllm_gms_worker import gms_engine_args
@@ -322,20 +322,12 @@ def test_a_write_into_shared_weights_kills_the_engine_but_its_buffers_are_its_ow
     with pytest.raises((urllib.error.URLError, OSError, ConnectionError)):
         post(rpc, {"method": "lumen_probe_write", "args": ["param"]}, timeout=60)
     deadline = time.monotonic() + 60
-    while running(pid) and time.monotonic() < deadline:
+    while process_running(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not running(pid), "the worker survived a write into shared weights"
+    assert not process_running(pid), "the worker survived a write into shared weights"
     log = pair.reader.log.read_text()
     # PyTorch's fault handler (or Python's) names the signal and the store that took it.
     marker = next((m for m in ("Segfault encountered", "Segmentation fault") if m in log), None)
     assert marker is not None, log[-3000:]
     assert "copy_" in log[log.index(marker):][:3000]
 
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan may wait a while for a reaper)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
