@@ -248,6 +248,8 @@ class WorkerSupervisor:
     def _note_stalled(self, active: EngineSlot | None) -> None:
         """Why the active engine is taken as stalled now ("" if it is not), logged when
         that starts and ends."""
+        if active is not None and not active.alive:
+            return  # it exited: the next tick handles that ("stalled" would be noise)
         why = ""
         if active is not None and active.probe_failures:
             why = (f"engine {active.spec.engine_id} missed {active.probe_failures} "

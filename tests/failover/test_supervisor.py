@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -195,6 +196,26 @@ def test_a_hung_active_engine_is_killed_and_the_shadow_takes_over(tmp_path: Path
             assert not still_there
 
     run(scenario())
+
+
+def test_an_engine_that_exited_is_not_called_stalled(tmp_path: Path) -> None:
+    """A killed engine's last probe fails (connection refused) a tick before its exit is
+    seen; that is an exit, handled as one, not a stall to log and export."""
+    sup = make_supervisor(tmp_path, shadows=0)
+    slot = sup.slots[0]
+    slot.probe_failures = 1
+    slot.proc = subprocess.Popen(["true"])
+    slot.proc.wait()
+    sup._note_stalled(slot)
+    assert sup.stalled == ""
+    # Negative control: the same missed probe from a process still running is a stall.
+    slot.proc = subprocess.Popen(["sleep", "30"])
+    try:
+        sup._note_stalled(slot)
+        assert "missed 1 probe(s)" in sup.stalled, sup.stalled
+    finally:
+        slot.proc.kill()
+        slot.proc.wait()
 
 
 def test_gms_death_is_survived(tmp_path: Path) -> None:

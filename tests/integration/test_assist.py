@@ -97,6 +97,23 @@ def engine_assist(url: str) -> dict[str, Any]:
         return dict(json.load(r))
 
 
+def survivor_engine_assist(etcd: EtcdCluster, survivor: str) -> dict[str, Any]:
+    """What the survivor's active engine, as its record names it now, says it is attached
+    to; if it cannot be asked, what etcd says of that worker's engines and recent events
+    (CI once found the engine's port closed, and nothing said why)."""
+    view = read_view(etcd)
+    engines = view.workers[survivor].engines
+    active = [e for e in engines if e.role == "active"]
+    assert active, f"{survivor} has no active engine: {engines}"
+    try:
+        return engine_assist(active[0].url)
+    except OSError as exc:
+        events = [f"{e.kind}: {e.message}" for e in view.events][-8:]
+        raise AssertionError(f"{survivor}'s active engine at {active[0].url} did not answer "
+                             f"({exc!r}); its engines: {engines}; last events: {events}"
+                             ) from exc
+
+
 def lumenctl_status(etcd: EtcdCluster, *command: str) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "lumenctl", "--endpoints",
                           ",".join(etcd.endpoints), "--cluster", CLUSTER, "-o", "json",
@@ -144,7 +161,6 @@ def test_a_reloading_worker_assists_the_survivor_then_serves(
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
             seen["victim"], seen["survivor"] = victim.name, survivor.name
-            seen["survivor_url"] = survivor.engines[0].url
 
             def assisted() -> dict[str, Any] | None:
                 # The acceptance reached etcd: the survivor verified drafts of the victim's.
@@ -158,8 +174,8 @@ def test_a_reloading_worker_assists_the_survivor_then_serves(
                                           "the victim's drafts verified by the survivor")
             seen["status"] = doc
             seen["config"] = await asyncio.to_thread(lumenctl_status, etcd, "config", "show")
-            seen["engine_assist"] = await asyncio.to_thread(engine_assist,
-                                                            seen["survivor_url"])
+            seen["engine_assist"] = await asyncio.to_thread(survivor_engine_assist, etcd,
+                                                            survivor.name)
             return list(await asyncio.gather(*tasks))
 
     results = asyncio.run(scenario())
@@ -184,7 +200,7 @@ def test_a_reloading_worker_assists_the_survivor_then_serves(
     # Then it serves again, the assignment is gone and the survivor's engine detached.
     wait_until(lambda: (lambda v: v.workers[victim].state == "serving" and not v.assists)(
         read_view(etcd)), 60, "the victim serving again, the assignment ended")
-    wait_until(lambda: not engine_assist(seen["survivor_url"])["attached"], 30,
+    wait_until(lambda: not survivor_engine_assist(etcd, survivor)["attached"], 30,
                "the survivor's engine detached")
     kinds = [e.kind for e in read_view(etcd).events]
     assert "assist_assigned" in kinds and "assist_ended" in kinds
