@@ -15,7 +15,7 @@ from lumenctl.localcluster import LocalCluster, free_ports
 from lumend.cluster.keys import Keys
 
 from .conftest import wait_until
-from .test_coordinator import settled
+from .test_coordinator import all_serving
 
 MakeCluster = Callable[..., LocalCluster]
 
@@ -35,7 +35,9 @@ def lumenctl(cluster: LocalCluster | None, *args: str, endpoints: str | None = N
 @pytest.fixture
 def cluster(local_cluster: MakeCluster) -> Iterator[LocalCluster]:
     c = local_cluster(size=3, lease_ttl_s=3)
-    wait_until(settled(c), 20, "a settled cluster")
+    # Every worker serving, not only registered: drain refuses to take a model's last
+    # serving worker, and the full suite once drained node-2 while it was the only one.
+    wait_until(all_serving(c), 30, "a settled cluster with every worker serving")
     yield c
 
 
