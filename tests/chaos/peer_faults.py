@@ -126,7 +126,7 @@ async def under_delay(cluster: Cluster, row: Row, relays: list[DelayProxy], one_
     admissions counted, by who decided them. The control: a round trip to `probe_url`
     (through one of the relays) measured before and during the delay, and the chunks the
     relays held. `started(via)`: notes once the first streams run."""
-    view = await asyncio.to_thread(cluster.wait, cluster.settled, 90, "3 nodes settled")
+    view = await asyncio.to_thread(cluster.ready, 90, "3 nodes settled")
     assert view.coordinator is not None
     watch = Watch(terms=[(view.coordinator.record.node, view.coordinator.epoch)])
     via = next(n for n in cluster.nodes if n.name != view.coordinator.record.node)
@@ -285,7 +285,7 @@ def etcd_disks_full_in_turn(workdir: Path, tmpfs_mib: int = 200) -> Row:
     row = Row("etcd members' disks full one after another (a follower, then the leader), "
               "each freed")
     with lab_cluster(workdir, etcd_members=3, etcd_tmpfs_mib=tmpfs_mib) as (_lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         watch = Watch(terms=[(view.coordinator.record.node, view.coordinator.epoch)])
 

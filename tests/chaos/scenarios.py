@@ -113,6 +113,13 @@ class Cluster:
             w.state == "serving" and w.checkpoints.budget_bytes > 0
             for w in view.workers.values())
 
+    def ready(self, timeout_s: float, what: str) -> ClusterView:
+        """Settled, and the coordinator's own view caught up with it (`caught_up`)."""
+        deadline = time.monotonic() + timeout_s
+        view = self.wait(self.settled, timeout_s, what)
+        asyncio.run(caught_up(view, len(view.workers), deadline))
+        return view
+
     def db_bytes(self) -> int | None:
         done = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints), "endpoint",
                                "status", "-w", "json"], capture_output=True, text=True,
@@ -123,6 +130,35 @@ class Cluster:
             return max(int(s["Status"]["dbSize"]) for s in json.loads(done.stdout))
         except (ValueError, KeyError, TypeError):
             return None
+
+
+async def caught_up(view: ClusterView, workers: int, deadline: float) -> None:
+    """Wait until the coordinator's own view, read once per HA cycle and so up to a cycle
+    behind what the test read, has every worker serving with a holder's budget: probe
+    admissions until `workers` different workers took one with a checkpoint. Without it a
+    burst started at once went, every request of it, to the one worker the coordinator had
+    seen serving, without checkpoints ("no holder has budget"), and the scenarios that
+    need streams on other nodes were void."""
+    assert view.coordinator is not None
+    client = CoordinatorClient(view.coordinator.record.rpc)
+    seen: set[str] = set()
+    probes: list[str] = []
+    last = ""
+    try:
+        while len(seen) < workers:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the coordinator's view did not catch up: admissions "
+                                     f"went to {sorted(seen)} of {workers} workers ({last})")
+            probes.append(f"caught-up-probe-{len(probes)}")
+            admission = await client.admit(probes[-1], None, "chaos-test")
+            last = admission.reason
+            if admission.target is not None and admission.checkpoint is not None:
+                seen.add(admission.target.worker)
+            await asyncio.sleep(0.05)
+    finally:
+        for request_id in probes:
+            await client.finish(request_id)
+        await client.close()
 
 
 def summary(view: ClusterView) -> str:
@@ -306,7 +342,7 @@ def coordinator_cut_off_from_etcd(workdir: Path, hold_s: float = 30.0) -> Row:
     heals and it must rejoin as a follower."""
     row = Row("coordinator's node black-holed from etcd")
     with lab_cluster(workdir, etcd_members=1) as (lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         old, epoch = cluster.node(view.coordinator.record.node), view.coordinator.epoch
         via = next(n for n in cluster.nodes if n is not old)
@@ -342,7 +378,7 @@ def etcd_member_black_holed(workdir: Path) -> Row:
     and the cluster go on, streams uninterrupted."""
     row = Row("one of 3 etcd members black-holed")
     with lab_cluster(workdir, etcd_members=3) as (lab, cluster):
-        cluster.wait(cluster.settled, 90, "3 nodes settled")
+        cluster.ready(90, "3 nodes settled")
         lost = cluster.etcd[0]
         rest = [m.client_url for m in cluster.etcd[1:]]
 
@@ -374,7 +410,7 @@ def node_cut_off_from_its_peers(workdir: Path) -> Row:
     after the token timeout, from their checkpoints on the other nodes' holders."""
     row = Row("a node black-holed from its peers (not from etcd)")
     with lab_cluster(workdir, etcd_members=1) as (lab, cluster):
-        cluster.wait(cluster.settled, 90, "3 nodes settled")
+        cluster.ready(90, "3 nodes settled")
         via = cluster.nodes[0]
 
         async def run() -> None:
@@ -410,7 +446,7 @@ def etcd_quorum_lost_and_back(workdir: Path) -> Row:
     locally); when the members come back a coordinator is elected and admissions resume."""
     row = Row("etcd quorum lost (2 of 3 members black-holed), then back")
     with lab_cluster(workdir, etcd_members=3) as (lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         epoch = view.coordinator.epoch
         gone = cluster.etcd[1:]
@@ -447,7 +483,7 @@ def two_nodes_lost_at_once(workdir: Path) -> Row:
     gateway that ran there continue on it, recomputing what their lost checkpoints held."""
     row = Row("two of 3 nodes lost at once (servers and their holders)")
     with lab_cluster(workdir, etcd_members=1) as (_lab, cluster):
-        cluster.wait(cluster.settled, 90, "3 nodes settled")
+        cluster.ready(90, "3 nodes settled")
         via = cluster.nodes[0]
 
         async def run() -> None:
@@ -522,7 +558,7 @@ def packet_loss(workdir: Path, percent: int, hold_s: float = 20.0) -> Row:
     there (the control: a row with no drops is void)."""
     row = Row(f"{percent}% packet loss, every node to etcd and to its peers")
     with lab_cluster(workdir, etcd_members=1) as (lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         watch = Watch(terms=[(view.coordinator.record.node, view.coordinator.epoch)])
         hosts = [m.host for m in cluster.etcd] + [n.host for n in cluster.nodes]
@@ -577,7 +613,7 @@ def etcd_rtt_delay(workdir: Path, one_way_ms: int = 100, hold_s: float = 20.0) -
     row = Row(f"node-etcd RTT +{2 * one_way_ms} ms (every node)")
     marks: dict[str, int] = {}
     with lab_cluster(workdir, etcd_members=1, relay_etcd=True) as (_lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         watch = Watch(terms=[(view.coordinator.record.node, view.coordinator.epoch)])
         relays = [r for n in cluster.nodes for r in n.etcd_relays]
@@ -671,7 +707,7 @@ def etcd_disk_full(workdir: Path, tmpfs_mib: int = 200, down_s: float = 10.0) ->
     would). The control: etcd really ran out of space (its exit and its log say so)."""
     row = Row("etcd's disk full (its only member exits), then space freed")
     with lab_cluster(workdir, etcd_members=1, etcd_tmpfs_mib=tmpfs_mib) as (_lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         epoch = view.coordinator.epoch
         [member] = cluster.etcd
@@ -747,7 +783,7 @@ def coordinator_paused_past_its_ttl(workdir: Path, pause_s: float = 10.0) -> Row
     follower. The control: the coordinator really was stopped (its state is T)."""
     row = Row("coordinator's lumend SIGSTOPped past its TTL, then SIGCONT")
     with lab_cluster(workdir, etcd_members=1) as (_lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         old, epoch = cluster.node(view.coordinator.record.node), view.coordinator.epoch
         via = next(n for n in cluster.nodes if n is not old)
@@ -801,7 +837,7 @@ def gateway_node_killed_under_load(workdir: Path) -> Row:
     streams ended). The control: the coordinator counted them before the kill."""
     row = Row("a gateway's node SIGKILLed under load (the other gateway's streams)")
     with lab_cluster(workdir, etcd_members=1) as (_lab, cluster):
-        view = cluster.wait(cluster.settled, 90, "3 nodes settled")
+        view = cluster.ready(90, "3 nodes settled")
         assert view.coordinator is not None
         leader = cluster.node(view.coordinator.record.node)
         victim, survivor = [n for n in cluster.nodes if n is not leader]
@@ -886,7 +922,7 @@ def node_state_dir_full(workdir: Path, tmpfs_mib: int = 16) -> Row:
     row = Row("a node's state dir out of space, its engine restarted on it")
     with lab_cluster(workdir, etcd_members=1, state_tmpfs_mib={
             f"node-{i}": tmpfs_mib for i in (1, 2, 3)}) as (_lab, cluster):
-        cluster.wait(cluster.settled, 90, "3 nodes settled")
+        cluster.ready(90, "3 nodes settled")
 
         async def run() -> None:
             async with aiohttp.ClientSession() as session:

@@ -43,8 +43,9 @@ def test_a_black_holed_etcd_member_is_left_behind(tmp_path: Path) -> None:
 
 def test_streams_on_a_node_cut_off_from_its_peers_resume_elsewhere(tmp_path: Path) -> None:
     row = node_cut_off_from_its_peers(tmp_path)
-    if any(note.startswith("VOID") for note in row.notes):
-        pytest.skip(f"every stream ran on the gateway's own node this time ({row})")
+    # Not skipped as void any more: the burst is admitted once the coordinator's own view
+    # has every worker (Cluster.ready), and then spreads over the three nodes.
+    assert not [note for note in row.notes if note.startswith("VOID")], row
     assert row.streams == row.identical, row
     assert any(note.endswith("streams resumed elsewhere") and not note.startswith("0 ")
                for note in row.notes), f"no stream was on the node cut off: void ({row})"
@@ -61,8 +62,7 @@ def test_lumend_outlives_an_etcd_quorum_loss_and_admits_again(tmp_path: Path) ->
 def test_two_nodes_lost_at_once_their_streams_continue_on_the_third(tmp_path: Path) -> None:
     row = two_nodes_lost_at_once(tmp_path)
     assert row.streams == row.identical, row
-    if any(note.startswith("0 streams") for note in row.notes):
-        pytest.skip(f"every stream ran on the gateway's own node this time: void ({row})")
+    assert not any(note.startswith("0 streams") for note in row.notes), f"void: {row}"
 
 
 def test_a_full_state_dir_leaves_lumend_and_its_streams_running_and_is_reported(
