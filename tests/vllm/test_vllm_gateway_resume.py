@@ -505,7 +505,7 @@ async def kill_mid_stream(pid: int, engine_url: str, gateway_node: LumendNode, w
     no test controls: waits on token counts alone lost that race both ways in CI (the
     victim's streams had ended before the kill, or had no full block yet). So the engine is
     frozen (SIGSTOP) to look: the streams that moved just before and stand still while it
-    is frozen are its own. If there are some and each has its tokens, it dies frozen; else
+    is frozen are its own. If there are some and one has its tokens, it dies frozen; else
     it runs on a little and is looked at again. None when every stream ended first: the
     admissions sent no watched stream there (the coordinator's choice, by its load
     estimates), or none was moving when it had some."""
@@ -552,7 +552,10 @@ async def kill_mid_stream(pid: int, engine_url: str, gateway_node: LumendNode, w
         there = (await asyncio.to_thread(streams_by_worker, gateway_node, True)).get(worker, 0)
         looked.append(Look(there, len(still), sum(seen[i][0] < wanted[i] for i in still),
                            window, frozen))
-        if still and there and all(seen[i][0] >= wanted[i] for i in still):
+        # One of them with its full blocks is enough (the checkpoint resume the test needs);
+        # the others resume from what they have. Demanding all lost a round of a run here
+        # (3 standing still, 2 short) and, with the other rounds void, the whole test.
+        if still and there and any(seen[i][0] >= wanted[i] for i in still):
             os.killpg(pid, signal.SIGKILL)
             print(f"killed {worker}'s engine at look {looks} (window {window}): {there:g} "
                   f"streams open there, watched ones standing still with "
@@ -567,15 +570,30 @@ async def kill_mid_stream(pid: int, engine_url: str, gateway_node: LumendNode, w
     return None
 
 
-async def streams_with_a_kill(session: aiohttp.ClientSession, gateway_node: LumendNode,
-                              all_cases: list[Case], pid: int, engine_url: str, worker: str,
+def admitted_to_again(cluster: EtcdCluster, worker: str) -> bool:
+    """`worker` serves and is not stalled in etcd. A round's looks freeze its engine for up
+    to 3.5 s: it misses a probe, is stalled, and the coordinator admits nothing to it until
+    a probe answers again (the second of three rounds of a run here had all 8 streams on the
+    other worker: "none open there", void)."""
+    doc = lumenctl(cluster, "status")
+    mine = next((w for w in status_workers(doc) if w["name"] == worker), None)
+    return mine is not None and mine["state"] == "serving" and not mine.get("stalled")
+
+
+async def streams_with_a_kill(session: aiohttp.ClientSession, cluster: EtcdCluster,
+                              gateway_node: LumendNode, all_cases: list[Case], pid: int,
+                              engine_url: str, worker: str,
                               on_start: Callable[[], Awaitable[None]] | None = None,
                               ) -> tuple[Kill, list[Result]]:
     """Every case streamed at once and `worker`'s engine (process group `pid`) killed under
     them. A round with no moment to kill proved nothing and is run again (three rounds at
-    most; then the test is skipped, saying so). `on_start` reads counters before each
-    round."""
-    for _ in range(3):
+    most; then the test is skipped, saying so), once the worker is admitted to again.
+    `on_start` reads counters before each round."""
+    for round_ in range(3):
+        if round_:
+            await asyncio.to_thread(wait_until, lambda: admitted_to_again(cluster, worker), 60,
+                                    f"{worker} serving and not stalled after the looks")
+            await asyncio.sleep(2.5)  # the gateway's and the coordinator's views
         if on_start is not None:
             await on_start()
         tasks, seen, wanted = start_streams(session, gateway_node.gateway, all_cases)
@@ -612,8 +630,9 @@ async def streams_across_a_shadow_takeover(
         counters["routed"] = await asyncio.to_thread(gateway_counter, gateway_node,
                                                      "lumen_gateway_routed_total")
 
-    kill, results = await streams_with_a_kill(session, gateway_node, all_cases, active["pid"],
-                                              active["url"], worker["name"], read_counters)
+    kill, results = await streams_with_a_kill(session, cluster, gateway_node, all_cases,
+                                              active["pid"], active["url"], worker["name"],
+                                              read_counters)
     loaded_before, routed_before = counters["loaded"], counters["routed"]
     routed = await asyncio.to_thread(gateway_counter, gateway_node, "lumen_gateway_routed_total")
     moved = {k: v - routed_before.get(k, 0.0) for k, v in routed.items()
@@ -785,7 +804,7 @@ def test_streams_resume_by_token_ids_across_an_engine_kill(
             # The worker without a shadow is killed mid-stream.
             victim = next(w for w in status_workers(doc) if w["node"] == "node-2")
             pid = next(e["pid"] for e in victim["engines"] if e["role"] == "active")
-            _, results = await streams_with_a_kill(session, nodes[0], all_cases, pid,
+            _, results = await streams_with_a_kill(session, etcd, nodes[0], all_cases, pid,
                                                    engines[victim["name"]], victim["name"])
 
             survivor = next(url for name, url in engines.items() if name != victim["name"])
