@@ -514,9 +514,12 @@ async def kill_mid_stream(pid: int, engine_url: str, gateway_node: LumendNode, w
     most: dict[str, float] = {}  # the most streams the gateway had open on each worker
     looked: list[Look] = []
     passed: Counter[str] = Counter()  # the moments not looked at, by why
+    scrapes: list[float] = []  # how long each look at the gateway's streams took (s)
     while not all(t.done() for t in tasks):
         assert time.monotonic() < deadline, f"no moment to kill {worker}: tokens {seen}"
+        asked = time.monotonic()
         running = await asyncio.to_thread(streams_by_worker, gateway_node, True)
+        scrapes.append(time.monotonic() - asked)
         most = {w: max(most.get(w, 0.0), running.get(w, 0.0)) for w in {*most, *running}}
         if not running.get(worker) or max(seen[i][0] for i in wanted) < min(wanted.values()):
             passed["none open there" if not running.get(worker) else "too few tokens"] += 1
@@ -566,7 +569,9 @@ async def kill_mid_stream(pid: int, engine_url: str, gateway_node: LumendNode, w
         await asyncio.sleep(0.3)
     print(f"every stream ended before a moment to kill {worker}'s engine came ({looks} looks;"
           f" the most streams open on each worker: {most}; per look: {looked}; moments passed"
-          f" by: {dict(passed)}; tokens {seen})")
+          f" by: {dict(passed)}; tokens {seen}; the gateway's metrics scraped "
+          f"{len(scrapes)} times, slowest {max(scrapes, default=0.0):.2f} s, "
+          f"{sum(t > 0.5 for t in scrapes)} over 0.5 s)")
     return None
 
 
