@@ -502,11 +502,8 @@ def generated_tokens(engine_url: str) -> float | None:
     2 s (a stalled engine: the kill of stop 25's run came while the victim answered nothing
     and its streams had not begun, the gateway's streams in flight counting them all the
     same, and the streams standing still were the survivor's)."""
-    try:
-        with urllib.request.urlopen(engine_url + "/metrics", timeout=2) as r:
-            return engine_metric(r.read().decode(), "vllm:generation_tokens_total")
-    except (OSError, TimeoutError):
-        return None
+    counts = engine_counts(engine_url)
+    return None if counts is None else counts[1]
 
 
 async def kill_mid_stream(pid: int, engine_url: str, gateway_node: LumendNode, worker: str,
