@@ -25,6 +25,7 @@ from lumend.cluster.view import ClusterView
 from lumend.rpc.client import CoordinatorClient, RpcFailure
 
 from ..gateway.test_gateway import chat_prompt, expected, stream
+from ..integration.test_coordinator import caught_up
 from .netlab import METRICS, EtcdMember, NetLab, Node, Tmpfs, start_etcd, start_node
 
 ENGINE_ARGS = ("--time-scale", "2.0")
@@ -114,10 +115,10 @@ class Cluster:
             for w in view.workers.values())
 
     def ready(self, timeout_s: float, what: str) -> ClusterView:
-        """Settled, and the coordinator's own view caught up with it (`caught_up`)."""
+        """Settled, and the coordinator's own view caught up with it."""
         deadline = time.monotonic() + timeout_s
         view = self.wait(self.settled, timeout_s, what)
-        asyncio.run(caught_up(view, len(view.workers), deadline))
+        asyncio.run(coordinator_caught_up(view, max(10.0, deadline - time.monotonic())))
         return view
 
     def db_bytes(self) -> int | None:
@@ -132,32 +133,16 @@ class Cluster:
             return None
 
 
-async def caught_up(view: ClusterView, workers: int, deadline: float) -> None:
-    """Wait until the coordinator's own view, read once per HA cycle and so up to a cycle
-    behind what the test read, has every worker serving with a holder's budget: probe
-    admissions until `workers` different workers took one with a checkpoint. Without it a
-    burst started at once went, every request of it, to the one worker the coordinator had
-    seen serving, without checkpoints ("no holder has budget"), and the scenarios that
-    need streams on other nodes were void."""
+async def coordinator_caught_up(view: ClusterView, timeout_s: float) -> None:
+    """`caught_up` with checkpoints, against the coordinator `view` names. Without it a burst
+    started at once went, every request of it, to the one worker the coordinator had seen
+    serving, without checkpoints ("no holder has budget"), and the scenarios that need
+    streams on other nodes were void."""
     assert view.coordinator is not None
     client = CoordinatorClient(view.coordinator.record.rpc)
-    seen: set[str] = set()
-    probes: list[str] = []
-    last = ""
     try:
-        while len(seen) < workers:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the coordinator's view did not catch up: admissions "
-                                     f"went to {sorted(seen)} of {workers} workers ({last})")
-            probes.append(f"caught-up-probe-{len(probes)}")
-            admission = await client.admit(probes[-1], None, "chaos-test")
-            last = admission.reason
-            if admission.target is not None and admission.checkpoint is not None:
-                seen.add(admission.target.worker)
-            await asyncio.sleep(0.05)
+        await caught_up(client, len(view.workers), timeout_s, with_checkpoint=True)
     finally:
-        for request_id in probes:
-            await client.finish(request_id)
         await client.close()
 
 

@@ -43,8 +43,6 @@ def test_a_black_holed_etcd_member_is_left_behind(tmp_path: Path) -> None:
 
 def test_streams_on_a_node_cut_off_from_its_peers_resume_elsewhere(tmp_path: Path) -> None:
     row = node_cut_off_from_its_peers(tmp_path)
-    # Not skipped as void any more: the burst is admitted once the coordinator's own view
-    # has every worker (Cluster.ready), and then spreads over the three nodes.
     assert not [note for note in row.notes if note.startswith("VOID")], row
     assert row.streams == row.identical, row
     assert any(note.endswith("streams resumed elsewhere") and not note.startswith("0 ")

@@ -193,23 +193,31 @@ def coordinator_client(view: ClusterView) -> CoordinatorClient:
     return CoordinatorClient(view.coordinator.record.rpc)
 
 
-async def caught_up(client: CoordinatorClient, workers: int) -> None:
-    """Wait until the coordinator's own view (read once per HA cycle) sees `workers` serving:
-    probe admissions until they have gone to as many different workers."""
+async def caught_up(client: CoordinatorClient, workers: int, timeout_s: float = 10.0,
+                    with_checkpoint: bool = False) -> None:
+    """Wait until the coordinator's own view (read once per HA cycle, so up to a cycle behind
+    what a test read from etcd) sees `workers` serving: probe admissions until they have gone
+    to as many different workers (`with_checkpoint`: each with a checkpoint, so the holders'
+    budgets are seen too). The probes are finished however it ends."""
     seen: set[str] = set()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + timeout_s
     n = 0
-    while True:
-        admission = await client.admit(f"probe-{n}", None, "test")
-        n += 1
-        if admission.target is not None:
-            seen.add(admission.target.worker)
-        if len(seen) >= workers:
-            break
-        assert time.monotonic() < deadline, f"the coordinator saw only {sorted(seen)}"
-        await asyncio.sleep(0.05)
-    for i in range(n):
-        await client.finish(f"probe-{i}")
+    last = ""
+    try:
+        while len(seen) < workers:
+            assert time.monotonic() < deadline, (
+                f"the coordinator's view did not catch up: admissions went to {sorted(seen)} "
+                f"of {workers} workers (last: {last})")
+            admission = await client.admit(f"probe-{n}", None, "test")
+            n += 1
+            last = admission.reason
+            if admission.target is not None and (admission.checkpoint is not None
+                                                 or not with_checkpoint):
+                seen.add(admission.target.worker)
+            await asyncio.sleep(0.05)
+    finally:
+        for i in range(n):
+            await client.finish(f"probe-{i}")
 
 
 def test_admit_and_recover_are_served_by_the_elected_coordinator(
