@@ -48,19 +48,21 @@ import argparse
 import asyncio
 import gzip
 import json
+import math
 import os
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from lumenctl.admissions import first_admissions, read_admissions
 from lumenctl.localcluster import LocalCluster, process_running
 from lumenctl.recovery import (
     DecisionLog,
@@ -114,6 +116,7 @@ class Served:
     tokens: int
     interrupted: bool
     worker: int = -1  # simulated: the worker (in name order) its first token came from
+    admitted: int = -1  # the worker (in name order) its first admission chose; -1: unknown
 
     @property
     def ttft(self) -> float:
@@ -183,10 +186,13 @@ def measure(served: Sequence[Served], fault: float, warmup: float,
 # -- the real cluster -------------------------------------------------------------------
 
 
-def real_served(outcomes: Sequence[Outcome]) -> list[Served]:
-    """Completed streams (interruptions are counted from the gateways' decisions)."""
+def real_served(outcomes: Sequence[Outcome], admitted: Mapping[str, int] | None = None
+                ) -> list[Served]:
+    """Completed streams (interruptions are counted from the gateways' decisions);
+    `admitted`: the worker each request id was first admitted to (`RealRun.admitted`)."""
+    admitted = admitted or {}
     return [Served(o.sent_at, o.token_times[0], o.token_times[-1], o.request.max_tokens,
-                   False)
+                   False, admitted=admitted.get(o.request_id, -1))
             for o in outcomes
             if not o.error and len(o.token_times) >= 2
             and len(o.text) == o.request.max_tokens]
@@ -212,6 +218,9 @@ class RealRun:
     # stop-and-restart: simulated TTFT 1.79 s with the victim first, 2.05 s with it second,
     # as it was; real 2.05 s).
     victim_index: int
+    # Request id -> the worker (index in name order) the gateways' first admission of it
+    # chose, from their `[gateway] log_admissions` lines.
+    admitted: dict[str, int]
 
 
 def engine_metric_sum(urls: Sequence[str], name: str) -> float:
@@ -286,7 +295,8 @@ class BackWatch:
 
 def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> RealRun:
     cluster = LocalCluster(root, size=args.nodes, shadows=0, lease_ttl_s=3, model=args.model,
-                           engine_args=("--time-scale", f"{args.time_scale:g}"))
+                           engine_args=("--time-scale", f"{args.time_scale:g}"),
+                           log_admissions=True)
     try:
         cluster.start()
         wait_whole(cluster, 0)
@@ -319,9 +329,12 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
                    for e in w.engines if e.state == "active"]
         modelled = engine_metric_sum(engines, "lumen_sim_step_seconds_total")
         late = engine_metric_sum(engines, "lumen_sim_step_late_seconds_total")
-        victim = sorted(read_view(cluster.endpoints, cluster.cluster).workers).index(VICTIM)
+        names = sorted(read_view(cluster.endpoints, cluster.cluster).workers)
+        first = first_admissions(read_admissions((n.name, n.log_path) for n in cluster.nodes))
+        admitted = {rid: names.index(line.worker) for rid, line in first.items()
+                    if line.worker in names}
         return RealRun(run.outcomes, run.fault, killed, back, routed, modelled, late, direct,
-                       through, split.splits, victim)
+                       through, split.splits, names.index(VICTIM), admitted)
     finally:
         cluster.stop()
 
@@ -372,7 +385,8 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
     # The worker a request's first token came from: the victim's requests cut off with
     # their first token out finished elsewhere.
     out = [Served(r.arrival, r.first_token, r.finish, r.output, r.interrupted_at >= 0,
-                  victim if r.interrupted_at >= 0 and r.first_token <= fault else r.worker)
+                  victim if r.interrupted_at >= 0 and r.first_token <= fault else r.worker,
+                  r.admitted_to)
            for r in result.requests if r.finish >= 0]
     assert result.fault is not None and result.fault.back_at is not None
     # Back a restart after the engine was gone: after the fault, or after a hung one's kill.
@@ -589,6 +603,7 @@ def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEA
         print(table(real, sim))
         for split in splits:
             print(split_line(split, served, simulated, overhead))
+        print(admissions_compared(served, simulated, fault, args.warmup))
         runs.append(Validation(record["seed"], record["policy"], real, sim))
     if len(runs) > 1:
         print(f"\nsummary over {len(runs)} runs (within = |sim / real - 1| <= "
@@ -646,6 +661,48 @@ def per_worker(split: ServingSplit, simulated: Sequence[Served], overhead_s: flo
     return "; per worker at the engines, real / simulated: " + ", ".join(parts)
 
 
+# The admissions after the fault listed one by one (where a burst goes is what differs).
+LISTED_AFTER_FAULT = 16
+AFTER_FAULT_S = 10.0
+
+
+def admissions_compared(real: Sequence[Served], simulated: Sequence[Served], fault: float,
+                        warmup: float) -> str:
+    """Where each request was first admitted, real against simulated (the same request:
+    the simulated one arrived when the real one was sent): per window how many went to the
+    same worker and each worker's count on both sides, when they first parted, and the
+    first admissions after the fault one by one (workers by their place in name order)."""
+    by_sent = {round(x.sent, 6): x for x in simulated if x.admitted >= 0}
+    pairs = [(r, by_sent[key]) for r in real
+             if r.admitted >= 0 and (key := round(r.sent, 6)) in by_sent]
+    if not pairs:
+        return ("admissions, real / simulated: none recorded on the real side (a run saved "
+                "before the gateways logged their admissions)")
+    lines = [f"admissions, real / simulated ({len(pairs)} requests; workers by name order):"]
+    windows = (("warm-up", 0.0, warmup), ("before the fault", warmup, fault),
+               (f"{AFTER_FAULT_S:g} s after it", fault, fault + AFTER_FAULT_S),
+               ("the rest", fault + AFTER_FAULT_S, math.inf))
+    for name, since, until in windows:
+        mine = [(r, x) for r, x in pairs if since <= r.sent < until]
+        if not mine:
+            continue
+        same = sum(r.admitted == x.admitted for r, x in mine)
+        workers = sorted({r.admitted for r, _ in mine} | {x.admitted for _, x in mine})
+        counts = ", ".join(f"w{i} {sum(r.admitted == i for r, _ in mine)}/"
+                           f"{sum(x.admitted == i for _, x in mine)}" for i in workers)
+        lines.append(f"  {name}: {same}/{len(mine)} to the same worker; per worker {counts}")
+    apart = next((r for r, x in pairs if r.admitted != x.admitted), None)
+    lines.append("  first parted: " + ("never" if apart is None else
+                                       f"the request sent at {apart.sent:.2f} s"))
+    after = [(r, x) for r, x in pairs if r.sent >= fault][:LISTED_AFTER_FAULT]
+    if after:
+        lines.append("  after the fault (s after it: real/simulated, ! where they differ): "
+                     + " ".join(f"{r.sent - fault:+.2f}:{r.admitted}/{x.admitted}"
+                                f"{'' if r.admitted == x.admitted else '!'}"
+                                for r, x in after))
+    return "\n".join(lines)
+
+
 def given_overhead_s(given: dict[str, Any], splits: Sequence[ServingSplit],
                      real: Sequence[Served], which: str) -> tuple[float, str]:
     """The serving overhead the simulator is given, and what it is: under load (`loaded`:
@@ -685,14 +742,13 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     probe_tokens = PROBE_TOKENS + len("probe 00 ")
     modelled_lone = lone_ttft_s(args.model, probe_tokens, args.time_scale)
     idle_overhead = max(0.0, real_run.idle_ttft_gateway_s - modelled_lone)
-    served = real_served(real_run.outcomes)
+    served = real_served(real_run.outcomes, real_run.admitted)
     overhead, source = given_overhead_s({"overhead_s": idle_overhead}, real_run.splits,
                                         served, args.overhead)
     sent = sent_requests(real_run.outcomes)
     simulated, back_s, cut_off = run_sim(sent, fault, real_run.victim_index, process_start,
                                            overhead, args)
-    real = measure(real_served(real_run.outcomes), fault, args.warmup, back,
-                   real_run.decisions)
+    real = measure(served, fault, args.warmup, back, real_run.decisions)
     sim = measure(simulated, fault, args.warmup, back_s, cut_off)
     record: dict[str, object] = {
         "seed": args.seed, "policy": args.policy, "fault": fault,
@@ -704,7 +760,7 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
         "sent": sent,
         "splits": [asdict(x) for x in real_run.splits],
         "metrics": {"real": asdict(real), "simulated": asdict(sim)},
-        "real": [asdict(x) for x in real_served(real_run.outcomes)],
+        "real": [asdict(x) for x in served],
         "simulated": [asdict(x) for x in simulated]}
     print(f"validation: {args.nodes} nodes x 1 {args.model} sim engine (time scale "
           f"{args.time_scale:g}), "
@@ -730,7 +786,8 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
               f"SIGSTOP (the simulator: {SimConfig().hang_detect_s:g} s, "
               f"SupervisorTiming.hung_kill_after_s)")
     for split in real_run.splits:
-        print(split_line(split, real_served(real_run.outcomes), simulated, overhead))
+        print(split_line(split, served, simulated, overhead))
+    print(admissions_compared(served, simulated, fault, args.warmup))
     late = real_run.late_step_s / real_run.modelled_step_s if real_run.modelled_step_s else 0
     print(f"sim engines' pacing: behind their cost model by {late:.1%} of "
           f"{real_run.modelled_step_s:.0f} modelled step-seconds")

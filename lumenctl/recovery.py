@@ -68,6 +68,7 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)  # likewise
     text: str = ""
     error: str = ""
+    request_id: str = ""  # the gateway's id for it (its chunks' "id")
 
     @property
     def ttft(self) -> float:
@@ -168,6 +169,7 @@ class Replay:
                         outcome.error = chunk["error"]["message"]
                         continue
                     outcome.token_times.append(self.now())
+                    outcome.request_id = outcome.request_id or str(chunk.get("id", ""))
                     outcome.text += chunk["choices"][0]["text"]
         except aiohttp.ClientError as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"

@@ -241,6 +241,10 @@ class GatewaySection(msgspec.Struct, frozen=True, kw_only=True):
     # once, then lets streams in flight finish for at most drain_s before it stops its
     # engines; 0: stop them at once. Keep it below systemd's TimeoutStopSec (90 s).
     drain_s: float = 30.0
+    # One log line per placement decision (request, worker, checkpoint holder, the
+    # coordinator's reason), to see where requests went. Off by default: a line per request
+    # is a lot on a busy node. Live on reload (SIGHUP).
+    log_admissions: bool = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -411,7 +415,8 @@ _WORKER_KEYS = ("name", "gpus", "engine", "shadows", "model", "draft_model", "as
 _GATEWAY_TIMES = ("first_token_s", "token_timeout_s", "resume_within_s", "client_write_s",
                   "pool_wait_s", "admit_deadline_s", "shadow_wait_s")
 _SERVICES = {  # section -> (its keys, default listen address)
-    "gateway": (("listen", "api_keys", *_GATEWAY_TIMES, "max_streams", "drain_s"),
+    "gateway": (("listen", "api_keys", *_GATEWAY_TIMES, "max_streams", "drain_s",
+                 "log_admissions"),
                 _GATEWAY_LISTEN),
     "rpc": (("listen", "ca", "cert", "key"), _RPC_LISTEN),
     "checkpoint": (_CHECKPOINT_KEYS, _CHECKPOINT_LISTEN),
@@ -889,6 +894,11 @@ def _check_gateway_limits(table: _Table) -> None:
     if drain is not None and not 0 <= drain <= 3600:
         table.problem("drain_s", drain, "use a number of seconds from 0 (stop engines at once) "
                       "to 3600, below systemd's TimeoutStopSec, e.g. drain_s = 30")
+    log_admissions = table.raw("log_admissions", "true")
+    if log_admissions is not _ABSENT and not isinstance(log_admissions, bool):
+        table.wrong_type("log_admissions", log_admissions, "true or false", "false")
+    elif log_admissions is not _ABSENT:
+        table.values["log_admissions"] = log_admissions
 
 
 _RPC_TLS_EXAMPLES = {

@@ -176,6 +176,7 @@ class Node:
                                    max_streams=gw.max_streams,
                                    pool_wait_s=gw.pool_wait_s,
                                    shadow_wait_s=gw.shadow_wait_s))
+        self.gateway.log_admissions = gw.log_admissions
         # GET /ready and the refusal of new requests while stopping (lumend/gateway/readiness.py)
         self.readiness = readiness.NodeReadiness(config.node.name, lambda: self.agent.view)
         readiness.attach(self.gateway, self.readiness)
@@ -413,6 +414,8 @@ class Node:
                     config = msgspec.structs.replace(config, metrics=self.config.metrics)
                     refused.append(key)
                     continue
+            if key == "gateway.log_admissions":
+                self.gateway.log_admissions = config.gateway.log_admissions
             log.info("reload: applied %s: %s", key, LIVE_KEYS[key])
             applied.append(key)
         self.config = config

@@ -2,9 +2,9 @@
 
 Pure: `plan_reload` compares the running config with the new file and returns the config to
 run with (the old one plus the live keys' new values) and the changed keys it refuses. A key
-becomes live only when the part of lumend that uses it can apply it: today `metrics.listen`
-and `gateway.api_keys`. Workers and the checkpoint budget are not live (a restart, which the
-Ansible role precedes with a drain).
+becomes live only when the part of lumend that uses it can apply it: today `metrics.listen`,
+`gateway.api_keys` and `gateway.log_admissions`. Workers and the checkpoint budget are not
+live (a restart, which the Ansible role precedes with a drain).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from lumend.config import NodeConfig
 LIVE_KEYS: dict[str, str] = {
     "metrics.listen": "the metrics server moves to the new address",
     "gateway.api_keys": "the gateway checks requests against the keys of the new file",
+    "gateway.log_admissions": "the gateway logs its placement decisions, or stops",
 }
 
 
@@ -58,4 +59,7 @@ def plan_reload(old: NodeConfig, new: NodeConfig) -> ReloadPlan:
     if "gateway.api_keys" in live:
         config = msgspec.structs.replace(config, gateway=msgspec.structs.replace(
             config.gateway, api_keys=new.gateway.api_keys))
+    if "gateway.log_admissions" in live:
+        config = msgspec.structs.replace(config, gateway=msgspec.structs.replace(
+            config.gateway, log_admissions=new.gateway.log_admissions))
     return ReloadPlan(config=config, live=live, refused=refused)

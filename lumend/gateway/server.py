@@ -141,6 +141,8 @@ class Gateway:
         # whole on reload, so a request sees the old keys or the new ones.
         self.api_keys: ApiKeys | None = None
         self._auth_log = RefusalLog()
+        # `[gateway] log_admissions`: one log line per placement decision (live on reload).
+        self.log_admissions = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -667,17 +669,27 @@ class Gateway:
         if self.coordinator is not None:
             admission = await self.coordinator.admit(rid, model, sorted(exclude))
             if admission is not None:
+                ckpt = admission.checkpoint
+                if self.log_admissions:
+                    log_admission(rid, exclude, None if admission.target is None
+                                  else admission.target.worker,
+                                  None if ckpt is None else ckpt.holder,
+                                  f"coordinator epoch {admission.epoch}: {admission.reason}")
                 if admission.target is None:
                     return None, None
-                ckpt = admission.checkpoint
                 return (_target(admission.target),
                         None if ckpt is None else Placement(ckpt.ckpt_id, ckpt.holder,
                                                             ckpt.endpoint))
             view = self._view() or view
         target = choose_worker(view, model, self.in_flight, frozenset(exclude))
-        if target is None or not want_placement:
-            return target, None
-        return target, place(view, target.worker, uuid.uuid4().hex)
+        placement = (place(view, target.worker, uuid.uuid4().hex)
+                     if target is not None and want_placement else None)
+        if self.log_admissions:
+            log_admission(rid, exclude, None if target is None else target.worker,
+                          None if placement is None else placement.worker,
+                          "this gateway's own view (no coordinator answered)"
+                          if self.coordinator is not None else "this gateway's own view")
+        return target, placement
 
     async def _recovery(self, rid: str, model: str | None, placement: Placement | None,
                         broken: str, prefix: int) -> Target | None:
@@ -832,6 +844,15 @@ def migrating(view: ClusterView) -> set[str]:
     """Workers under a drain intent with --migrate (naming them or their node)."""
     return {w.name for w in view.workers.values()
             if any(i.kind == "drain" and i.migrate for i in view.intents_for(w))}
+
+
+def log_admission(rid: str, exclude: set[str], worker: str | None, holder: str | None,
+                  decided_by: str) -> None:
+    """The `[gateway] log_admissions` line: where a request (re)starts, where its checkpoint
+    goes, and who decided (bench/validate_sim.py joins these to the clients' streams)."""
+    log.info("admission: request %s to %s, checkpoint %s%s (%s)", rid, worker or "no worker",
+             f"on {holder}" if holder else "none",
+             f", excluding {', '.join(sorted(exclude))}" if exclude else "", decided_by)
 
 
 def _target(target: RpcTarget) -> Target:

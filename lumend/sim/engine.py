@@ -55,6 +55,7 @@ class SimError(RuntimeError):
 
 class Req:
     __slots__ = (
+        "admitted_to",
         "arrival",
         "ckpt_by",
         "ckpt_tokens",
@@ -89,6 +90,7 @@ class Req:
         self.prompt = prompt
         self.output = output
         self.worker = -1
+        self.admitted_to = -1        # the worker its first admission chose
         self.holders: list[int] = []  # workers holding a replica of its checkpoint
         self.hold_bytes = 0.0        # charged to each holder
         self.hold_t = 0.0            # when the checkpoint was (re)placed: its age for lru
@@ -423,6 +425,8 @@ class Simulation:
         """Put `r` at the back of `target`'s queue and give it checkpoint holders."""
         w = self.workers[target]
         r.worker = target
+        if r.admitted_to < 0:
+            r.admitted_to = target
         self.col_queue[target] += 1
         self._touch(target)
         if self.checkpointing:

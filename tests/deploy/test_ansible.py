@@ -189,6 +189,15 @@ def test_the_example_inventory_renders_configs_whose_engines_fit(tmp_path: Path)
            "lumend_etcd_tls": False, "lumend_checkpoint_insecure": True,
            "lumend_rpc_insecure": True}).replace('"16GiB"', '"32GiB"')).workers[0]
     assert memory_split_warnings(worker, gpu, weights[worker.model])
+    # lumend_gateway_log_admissions: off by default, on when the inventory asks.
+    base = {**render_role_defaults("lumend"), **inventory["vars"], **hosts["gpu-node-1"],
+            "lumend_node_name": "gpu-node-1", "lumend_etcd_endpoints": ["http://a:2379"],
+            "lumend_etcd_tls": False, "lumend_checkpoint_insecure": True,
+            "lumend_rpc_insecure": True}
+    for asked in (False, True):
+        rendered = env.get_template("lumend.toml.j2").render(
+            **{**base, "lumend_gateway_log_admissions": asked})
+        assert parse_config(rendered).gateway.log_admissions is asked
 
 
 # -- the real run ----------------------------------------------------------------------------

@@ -94,6 +94,13 @@ def test_reload_plan_applies_live_keys_and_refuses_the_rest() -> None:
     assert plan.config.etcd == old.etcd and plan.config.workers == old.workers
     assert plan_reload(old, old).live == plan_reload(old, old).refused == []
 
+    logging_on = msgspec.structs.replace(new, gateway=msgspec.structs.replace(
+        new.gateway, log_admissions=True))
+    plan = plan_reload(old, logging_on)
+    assert plan.live == ["gateway.log_admissions", "metrics.listen"]
+    assert plan.config.gateway.log_admissions
+    assert plan.config.gateway.api_keys == old.gateway.api_keys
+
     no_workers = msgspec.structs.replace(old, workers=[])
     assert changed_keys(old, no_workers) == ["workers"]
 

@@ -4,6 +4,7 @@ of the engine serving them, token for token."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -168,6 +169,37 @@ def test_bad_requests_get_openai_errors(tmp_path: Path) -> None:
                     reference_completion(0, encode("hello"), 5))
             async with s.get(base + "/v1/models") as r:
                 assert [m["id"] for m in (await r.json())["data"]] == ["sim-small"]
+
+    asyncio.run(scenario())
+
+
+def test_admissions_are_logged_when_asked_and_name_the_request_the_client_saw(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`[gateway] log_admissions` (live on reload): one line per placement, naming the id the
+    client's response carries and the worker that served it; none while it is off."""
+    async def scenario() -> None:
+        async with cluster(tmp_path, 0) as (gateway, base, sups), aiohttp.ClientSession() as s:
+            async def one() -> str:
+                async with s.post(base + "/v1/completions",
+                                  json={"prompt": "hello", "max_tokens": 3}) as r:
+                    assert r.status == 200
+                    return str((await r.json())["id"])
+
+            caplog.set_level(logging.INFO, logger="lumend.gateway")
+            unlogged = await one()
+            gateway.log_admissions = True
+            logged = [await one() for _ in range(3)]
+            gateway.log_admissions = False
+            await one()
+            lines = [r.getMessage() for r in caplog.records
+                     if r.getMessage().startswith("admission:")]
+            assert len(lines) == 3, lines
+            workers = {s.worker.name for s in sups}
+            for rid, line in zip(logged, lines, strict=True):
+                assert line.startswith(f"admission: request {rid} to "), line
+                assert line.split(" to ")[1].split(",")[0] in workers, line
+                assert line.endswith("(this gateway's own view)"), line
+            assert not any(unlogged in line for line in lines)
 
     asyncio.run(scenario())
 

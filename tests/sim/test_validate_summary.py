@@ -294,3 +294,29 @@ def test_a_stopped_engine_is_not_gone_until_it_is_killed() -> None:
         child.kill()
         child.wait()
     assert not process_running(child.pid) and not process_running(None)
+
+
+def test_admissions_are_compared_per_request_by_window_and_after_the_fault() -> None:
+    v = load_bench()
+
+    def served(sent: float, admitted: int) -> Any:
+        return v.Served(sent=sent, first=sent + 0.2, last=sent + 1.0, tokens=5,
+                        interrupted=False, admitted=admitted)
+
+    # Warm-up 10 s, fault at 30 s: before it the two sides agree but for the request at 25 s;
+    # after it real sends 3 of 4 to worker 0, the simulator all 4 to worker 1.
+    real = [served(5.0, 0), served(15.0, 1), served(25.0, 0),
+            served(30.5, 0), served(31.0, 0), served(32.0, 0), served(33.0, 1)]
+    sim = [served(5.0, 0), served(15.0, 1), served(25.0, 1),
+           served(30.5, 1), served(31.0, 1), served(32.0, 1), served(33.0, 1),
+           served(50.0, 0)]  # no real counterpart (failed there): left out
+    text = v.admissions_compared(real, sim, fault=30.0, warmup=10.0)
+    assert "(7 requests; workers by name order)" in text
+    assert "warm-up: 1/1 to the same worker; per worker w0 1/1" in text
+    assert "before the fault: 1/2 to the same worker; per worker w0 1/0, w1 1/2" in text
+    assert "10 s after it: 1/4 to the same worker; per worker w0 3/0, w1 1/4" in text
+    assert "first parted: the request sent at 25.00 s" in text
+    assert "+0.50:0/1! +1.00:0/1! +2.00:0/1! +3.00:1/1" in text
+    # Negative control: runs saved before the gateways logged admissions say so.
+    unknown = [served(s.sent, -1) for s in real]
+    assert "none recorded on the real side" in v.admissions_compared(unknown, sim, 30.0, 10.0)

@@ -1,4 +1,5 @@
-"""[gateway] drain_s, and `lumend check-config` on model paths (a real process each)."""
+"""[gateway] drain_s and log_admissions, and `lumend check-config` on model paths (a real
+process each)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def test_drain_s_default_zero_and_bounds() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(config_text(gateway={"drain_s": "soon"}))
     assert "a number" in caught.value.problems[0].fix
+
+
+def test_log_admissions_is_off_by_default_and_a_boolean() -> None:
+    assert parse_config(config_text()).gateway.log_admissions is False
+    on = parse_config(config_text(gateway={"log_admissions": True}))
+    assert on.gateway.log_admissions is True
+    with pytest.raises(ConfigError) as caught:
+        parse_config(config_text(gateway={"log_admissions": "yes"}))
+    [problem] = caught.value.problems
+    assert problem.key == "gateway.log_admissions" and "true or false" in str(caught.value)
 
 
 def test_pool_wait_s_default_and_bounds() -> None:
