@@ -50,6 +50,7 @@ import gzip
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import sys
@@ -117,6 +118,7 @@ class Served:
     interrupted: bool
     worker: int = -1  # simulated: the worker (in name order) its first token came from
     admitted: int = -1  # the worker (in name order) its first admission chose; -1: unknown
+    request_id: str = ""  # real: the gateway's id, as its admission lines name it
 
     @property
     def ttft(self) -> float:
@@ -192,7 +194,7 @@ def real_served(outcomes: Sequence[Outcome], admitted: Mapping[str, int] | None 
     `admitted`: the worker each request id was first admitted to (`RealRun.admitted`)."""
     admitted = admitted or {}
     return [Served(o.sent_at, o.token_times[0], o.token_times[-1], o.request.max_tokens,
-                   False, admitted=admitted.get(o.request_id, -1))
+                   False, admitted=admitted.get(o.request_id, -1), request_id=o.request_id)
             for o in outcomes
             if not o.error and len(o.token_times) >= 2
             and len(o.text) == o.request.max_tokens]
@@ -293,6 +295,27 @@ class BackWatch:
             await asyncio.sleep(0.1)
 
 
+def wait_quiet(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
+    """Until every worker's heartbeat reports no request, then two heartbeats more (the
+    coordinator reads etcd once a cycle): the trace starts from the empty cluster the
+    simulator starts from. Started at once after the probes, the coordinator still saw the
+    last probe on one worker, so the trace's first request went to the other, and ties
+    broke the other way from there (seed 17: real 587 ms failure-free TTFT, simulated 647;
+    the simulator with its first request on the other worker: 552-639 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = read_view(cluster.endpoints, cluster.cluster)
+        busy = {name: w.load.running + w.load.waiting for name, w in view.workers.items()
+                if w.load.running + w.load.waiting}
+        if not busy:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the workers still report requests {timeout_s:g} s after the "
+                             f"probes ended: {busy}; see the cluster's logs")
+        time.sleep(0.1)
+    time.sleep(2 * LOCAL_HEARTBEAT_S)
+
+
 def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> RealRun:
     cluster = LocalCluster(root, size=args.nodes, shadows=0, lease_ttl_s=3, model=args.model,
                            engine_args=("--time-scale", f"{args.time_scale:g}"),
@@ -306,6 +329,7 @@ def run_real(requests: list[Request], args: argparse.Namespace, root: Path) -> R
                    for e in w.engines if e.state == "active"]
         direct = asyncio.run(idle_ttft(engines[0], PROBE_TOKENS, PROBES))
         through = asyncio.run(idle_ttft(cluster.nodes[0].gateway, PROBE_TOKENS, PROBES))
+        wait_quiet(cluster)
         decisions = DecisionLog(cluster)
         run = Replay(cluster, requests, args.fault_at, VICTIM, FAULT_SIGNALS[args.fault_kind])
         watch, split = BackWatch(), SplitWatch(cluster)
@@ -362,14 +386,17 @@ def sent_requests(outcomes: Sequence[Outcome]) -> list[tuple[float, int, int]]:
 
 
 def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
-            process_start_s: float, overhead_s: float, args: argparse.Namespace
+            process_start_s: float, overhead_s: float, args: argparse.Namespace,
+            phases: tuple[float, ...] = (), read_phase: float | None = None
             ) -> tuple[list[Served], float, int]:
     """The same requests (`sent_requests`), arriving when the real ones were sent; the
     fault at the real kill's moment on worker `victim` (`RealRun.victim_index`). Returns
     the requests served, when the worker was back after the fault and how many requests
     the fault cut off (on the killed worker, first token or not, as the gateways count
     them; not those admitted to a hung one before its kill: the engine never read them,
-    and the gateways find them refused and admit them again)."""
+    and the gateways find them refused and admit them again). `phases`, `read_phase`: the
+    workers' heartbeats and the coordinator's read of them as fractions of the heartbeat
+    (SimConfig.admission_heartbeat_phases, admission_read_phase)."""
     workload = Workload([s[0] for s in sent], [s[1] for s in sent], [s[2] for s in sent])
     cfg = local_cluster_config(args.model, args.time_scale, args.nodes, fault_at_s=fault,
                                fault_kind=SIM_FAULTS[args.fault_kind],
@@ -379,7 +406,8 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
                                heartbeat_s=args.admission_heartbeat_s)
     # A hung worker stalled as the product recorded did: never, before the stall existed.
     stall = args.hang_stall_s
-    cfg = replace(cfg, hang_stall_s=cfg.hang_detect_s if stall is None else stall)
+    cfg = replace(cfg, hang_stall_s=cfg.hang_detect_s if stall is None else stall,
+                  admission_heartbeat_phases=phases, admission_read_phase=read_phase)
     cfg = apply_policy(cfg, args.policy)
     result = simulate(workload, cfg)
     # The worker a request's first token came from: the victim's requests cut off with
@@ -391,6 +419,25 @@ def run_sim(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
     assert result.fault is not None and result.fault.back_at is not None
     # Back a restart after the engine was gone: after the fault, or after a hung one's kill.
     return out, result.fault.back_at - result.fault.at, result.fault.cut_off
+
+
+def phase_spread(sent: Sequence[tuple[float, int, int]], fault: float, victim: int,
+                 process_start_s: float, overhead_s: float, args: argparse.Namespace,
+                 draws: int, seed: int) -> tuple[Side, ...]:
+    """The simulated side under `draws` random phases of the nodes' heartbeats and of the
+    coordinator's read of them (seeded by the trace's seed). Nobody chooses those phases on
+    the real cluster, and they decide which of two tied workers a request goes to, and with
+    it where a burst goes: one simulated run is one draw of them, the real run another."""
+    if args.admission_heartbeat_s <= 0:
+        return ()
+    rng = random.Random(seed)
+    sides = []
+    for _ in range(draws):
+        phases = tuple(rng.random() for _ in range(args.nodes))
+        served, back, cut_off = run_sim(sent, fault, victim, process_start_s, overhead_s,
+                                        args, phases, rng.random())
+        sides.append(measure(served, fault, args.warmup, back, cut_off))
+    return tuple(sides)
 
 
 # -- output -----------------------------------------------------------------------------
@@ -435,6 +482,9 @@ class Validation:
     policy: str
     real: Side
     sim: Side
+    # The simulated side again under random heartbeat and coordinator read phases
+    # (`phase_spread`); empty: not drawn.
+    spread: tuple[Side, ...] = ()
 
 
 def summary(runs: Sequence[Validation]) -> str:
@@ -474,9 +524,22 @@ def summary(runs: Sequence[Validation]) -> str:
     return "\n".join(lines)
 
 
-def table(real: Side, sim: Side) -> str:
-    lines = [f"{'metric':<22} {'real':>10} {'simulated':>10} {'sim / real':>10}",
-             "-" * 55]
+def spread_of(spread: Sequence[Side], real: Side, metric: str
+              ) -> tuple[float, float, bool] | None:
+    """The phase draws' (lowest, highest) simulated value of `metric` and whether the real
+    one lies between them; None without draws or where a draw never recovered."""
+    values = [sim for side in spread for name, _, sim, _ in rows(real, side) if name == metric]
+    real_value = next(r for name, r, _, _ in rows(real, real) if name == metric)
+    if not values or None in values or real_value is None:
+        return None
+    low, high = min(v for v in values if v is not None), max(v for v in values if v is not None)
+    return low, high, low <= real_value <= high
+
+
+def table(real: Side, sim: Side, spread: Sequence[Side] = ()) -> str:
+    lines = [f"{'metric':<22} {'real':>10} {'simulated':>10} {'sim / real':>10}"
+             + (f"  {len(spread)} phase draws: lowest-highest" if spread else ""),
+             "-" * (55 + (40 if spread else 0))]
     for name, r, s, unit in rows(real, sim):
         def fmt(v: float | None, unit: str = unit) -> str:
             if v is None:
@@ -484,7 +547,57 @@ def table(real: Side, sim: Side) -> str:
             return f"{v * 1000:.1f} ms" if unit == "s" and v < 1 else (
                 f"{v:.2f} s" if unit == "s" else f"{v:.0f}")
         ratio = f"{s / r:.2f}" if r and s is not None else "n/a"
-        lines.append(f"{name:<22} {fmt(r):>10} {fmt(s):>10} {ratio:>10}")
+        drawn = spread_of(spread, real, name) if spread else None
+        extra = "" if drawn is None else (
+            f"  {fmt(drawn[0])} - {fmt(drawn[1])}{'' if drawn[2] else ', real outside'}")
+        lines.append(f"{name:<22} {fmt(r):>10} {fmt(s):>10} {ratio:>10}{extra}")
+    return "\n".join(lines)
+
+
+def drawn_mean(spread: Sequence[Side], real: Side, metric: str) -> tuple[float | None, int]:
+    """The mean simulated `metric` over the phase draws that have it, and how many do not
+    (never recovered within the trace)."""
+    values = [sim for side in spread for name, _, sim, _ in rows(real, side) if name == metric]
+    have = [v for v in values if v is not None]
+    return (statistics.fmean(have) if have else None), len(values) - len(have)
+
+
+def spread_summary(runs: Sequence[Validation]) -> str:
+    """Per policy and metric over the runs with phase draws (`phase_spread`): the mean over
+    the draws / real (mean over seeds with its 95% interval, runs within AGREEMENT), the
+    simulator's answer where the phases are unknown; and in how many runs the real value
+    lay within the draws' range."""
+    drawn = [r for r in runs if r.spread]
+    if not drawn:
+        return ""
+    lines = [f"\nthe simulated side over {len(drawn[0].spread)} draws of the heartbeat phases per "
+             "run (in range: real within the draws' lowest-highest):",
+             f"{'policy':<18} {'metric':<22} {'draws mean / real':>18} {'within':>7} "
+             f"{'in range':>9}  per seed", "-" * 90]
+    for policy in dict.fromkeys(r.policy for r in drawn):
+        mine = [r for r in drawn if r.policy == policy]
+        for metric in SUMMARISED:
+            ratios, never, inside, counted = [], 0, 0, 0
+            for run in mine:
+                real = next(x for name, x, _, _ in rows(run.real, run.real) if name == metric)
+                mean, missing = drawn_mean(run.spread, run.real, metric)
+                never += missing
+                if real and mean is not None:
+                    ratios.append((run.seed, mean / real))
+                found = spread_of(run.spread, run.real, metric)
+                if found is not None:
+                    counted += 1
+                    inside += found[2]
+            label = f"{policy:<18} {metric:<22}"
+            if not ratios:
+                lines.append(f"{label} {'n/a':>18}")
+                continue
+            mean, half = interval([r for _, r in ratios])
+            within = sum(abs(r - 1) <= AGREEMENT for _, r in ratios)
+            lines.append(f"{label} {mean:>9.3f} ± {half:<6.3f} {within:>3}/"
+                         f"{len(ratios):<3} {inside:>4}/{counted:<4} "
+                         + " ".join(f"{seed}:{r:.2f}" for seed, r in ratios)
+                         + (f" ({never} draws never recovered)" if never else ""))
     return "\n".join(lines)
 
 
@@ -534,14 +647,21 @@ def main() -> None:
     parser.add_argument("--resimulate", type=Path, default=None, metavar="SAVED.json",
                         help="no cluster: simulate again the real runs a --save wrote (after "
                         "a change to the simulator) and compare with their real side")
+    parser.add_argument("--phase-draws", type=int, default=16, metavar="K",
+                        help="also simulate each run under K random phases of the nodes' "
+                        "heartbeats and the coordinator's read of them, and say whether the "
+                        "real value lies within their range (0: not drawn)")
     args = parser.parse_args()
     # The product's stall (a hung worker admitted to no more from its first missed probe),
     # saved with each run: runs saved before it stalled nothing (resimulated so).
     args.hang_stall_s = SimConfig().hang_stall_s
+    if args.phase_draws < 0:
+        parser.error("--phase-draws must be 0 (none) or more")
     if args.admission_heartbeat_s < 0:
         parser.error("--admission-heartbeat must be 0 (exact counts) or a positive interval")
     if args.resimulate is not None:
-        resimulate(args.resimulate, args.overhead, args.admission_heartbeat_s)
+        resimulate(args.resimulate, args.overhead, args.admission_heartbeat_s,
+                   args.phase_draws)
         return
     runs: list[Validation] = []
     saved: list[dict[str, object]] = []
@@ -557,6 +677,7 @@ def main() -> None:
         print(f"\nsummary over {len(runs)} runs (seeds {' '.join(map(str, args.seed))}; "
               f"within = |sim / real - 1| <= {AGREEMENT:.0%}):")
         print(summary(runs))
+        print(spread_summary(runs))
 
 
 # What a simulation needs of the command line, saved with each run for --resimulate.
@@ -564,8 +685,8 @@ SETTINGS = ("model", "nodes", "time_scale", "restore_mbps", "warmup", "fault_kin
             "hang_stall_s")
 
 
-def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEARTBEAT_S
-               ) -> list[Validation]:
+def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEARTBEAT_S,
+               phase_draws: int = 0) -> list[Validation]:
     """The simulated side of every run in `path` (a --save file, or it gzipped) again, with
     the simulator as it is now, against the real side measured then."""
     try:
@@ -590,9 +711,11 @@ def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEA
             splits = [ServingSplit(**x) for x in record.get("splits", [])]
             served = [Served(**x) for x in record.get("real", [])]
             overhead, source = given_overhead_s(given, splits, served, which)
-            simulated, back_s, cut_off = run_sim(
-                [tuple(x) for x in record["sent"]], fault, given["victim"],
-                given["process_start_s"], overhead, args)
+            sent = [tuple(x) for x in record["sent"]]
+            simulated, back_s, cut_off = run_sim(sent, fault, given["victim"],
+                                                 given["process_start_s"], overhead, args)
+            spread = phase_spread(sent, fault, given["victim"], given["process_start_s"],
+                                  overhead, args, phase_draws, record["seed"])
             real = Side(**record["metrics"]["real"])
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"{path}: seed {record.get('seed')}: a malformed record "
@@ -600,15 +723,16 @@ def resimulate(path: Path, which: str = "loaded", heartbeat_s: float = LOCAL_HEA
         sim = measure(simulated, fault, args.warmup, back_s, cut_off)
         print(f"seed {record['seed']}, policy {record['policy']} (real side as saved; "
               f"serving overhead {overhead * 1000:.1f} ms, {source}):")
-        print(table(real, sim))
+        print(table(real, sim, spread))
         for split in splits:
             print(split_line(split, served, simulated, overhead))
         print(admissions_compared(served, simulated, fault, args.warmup))
-        runs.append(Validation(record["seed"], record["policy"], real, sim))
+        runs.append(Validation(record["seed"], record["policy"], real, sim, spread))
     if len(runs) > 1:
         print(f"\nsummary over {len(runs)} runs (within = |sim / real - 1| <= "
               f"{AGREEMENT:.0%}):")
         print(summary(runs))
+        print(spread_summary(runs))
     return runs
 
 
@@ -750,6 +874,8 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
                                            overhead, args)
     real = measure(served, fault, args.warmup, back, real_run.decisions)
     sim = measure(simulated, fault, args.warmup, back_s, cut_off)
+    spread = phase_spread(sent, fault, real_run.victim_index, process_start, overhead, args,
+                          args.phase_draws, args.seed)
     record: dict[str, object] = {
         "seed": args.seed, "policy": args.policy, "fault": fault,
         "settings": {name: getattr(args, name) for name in SETTINGS},
@@ -771,7 +897,7 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
           f"of the cost "
           f"model's capacity per worker), {FAULT_SIGNALS[args.fault_kind].name} of one "
           f"engine at {fault:.2f} s")
-    print(table(real, sim))
+    print(table(real, sim, spread))
     print(f"simulator given: restart = process start {process_start:.2f} s (measured: real "
           f"kill-to-serving minus the model's {init_s:g} s init) + init; serving overhead "
           f"{overhead * 1000:.1f} ms per request (measured {source}; under load: the "
@@ -795,7 +921,7 @@ def validate(args: argparse.Namespace) -> tuple[Validation, dict[str, object]]:
     print(f"real run: {real_wall:.0f} s wall, {errors} errors, load average "
           f"{load_before[0]:.1f} before / {load_after[0]:.1f} after (1 min), "
           f"{os.cpu_count()} cores")
-    return Validation(args.seed, args.policy, real, sim), record
+    return Validation(args.seed, args.policy, real, sim, spread), record
 
 
 if __name__ == "__main__":

@@ -93,6 +93,14 @@ class SimConfig:
     # as it was, so a burst goes to the others until their counts pass that. 0: exact
     # counts (the GPU scenarios); the local-cluster validation: its nodes' heartbeat, 1 s.
     admission_heartbeat_s: float = 0.0
+    # Each worker's first heartbeat as a fraction of that interval (the real nodes' timers
+    # run at phases nobody chose; the validation draws them); empty: spread evenly, worker
+    # i at (i + 1) / workers.
+    admission_heartbeat_phases: tuple[float, ...] = ()
+    # When the coordinator reads the heartbeats (once an interval, at this fraction of it):
+    # a worker's reported load counts from the first read after its heartbeat. None: from
+    # the heartbeat itself.
+    admission_read_phase: float | None = None
     # The workload's mean prompt, for the cost-aware L_hat's beta (one mean request's
     # prefill): the conversation trace's 1155 tokens unless a sweep scales prompts.
     mean_prompt_tokens: float = MEAN_PROMPT_TOKENS
@@ -165,6 +173,13 @@ class SimConfig:
                      "request_overhead_s", "admission_heartbeat_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
+        phases = self.admission_heartbeat_phases
+        if phases and (len(phases) != self.workers or not all(0 <= f < 1 for f in phases)):
+            raise ValueError(f"admission_heartbeat_phases must give each of the {self.workers} "
+                             f"workers a fraction in [0, 1), got {phases}")
+        if self.admission_read_phase is not None and not 0 <= self.admission_read_phase < 1:
+            raise ValueError(f"admission_read_phase must be a fraction in [0, 1), got "
+                             f"{self.admission_read_phase}")
         if self.replicas not in (1, 2):
             raise ValueError(f"replicas must be 1 or 2, got {self.replicas}")
         if self.eviction not in EVICTIONS:

@@ -276,6 +276,9 @@ class Simulation:
         # Each worker's running + waiting at its last heartbeat (admission_heartbeat_s > 0):
         # the shortest-queue column is max(this, col_queue), as the coordinator's.
         self.col_beat = [0] * n
+        # ... as the heartbeats reported it, not yet read by the coordinator
+        # (admission_read_phase; col_beat takes them at each read).
+        self.beat_reported = [0] * n
         self.col_work = [0.0] * n
         self.col_gain = [0.0] * n
         nodes = tuple(w.node for w in self.workers)
@@ -334,8 +337,12 @@ class Simulation:
         self._push(0.0, EV_SAMPLE, None)
         beat = cfg.admission_heartbeat_s
         if beat > 0:
+            phases = cfg.admission_heartbeat_phases
             for w in self.workers:
-                self._push(beat * (w.idx + 1) / len(self.workers), EV_HEARTBEAT, w)
+                phase = phases[w.idx] if phases else (w.idx + 1) / len(self.workers)
+                self._push(beat * phase, EV_HEARTBEAT, w)
+            if cfg.admission_read_phase is not None:
+                self._push(beat * cfg.admission_read_phase, EV_HEARTBEAT, None)
         reqs, heap = self.requests, self.heap
         n, i = len(reqs), 0
         now = 0.0
@@ -377,8 +384,11 @@ class Simulation:
                     assert isinstance(obj, Worker)
                     self._set_rate(obj, now, speed=1.0)
                 elif kind == EV_HEARTBEAT:
-                    assert isinstance(obj, Worker)
-                    self._heartbeat(obj, now, i < n)
+                    if obj is None:
+                        self._read_heartbeats(now, i < n)
+                    else:
+                        assert isinstance(obj, Worker)
+                        self._heartbeat(obj, now, i < n)
             elif i < n:
                 now = next_arrival
                 self.events += 1
@@ -409,10 +419,20 @@ class Simulation:
         starts empty)."""
         i = w.idx
         if i != self.hung:  # a hung engine's lumend repeats the last load it scraped
-            self.col_beat[i] = self.col_queue[i] if self.col_alive[i] else 0
-        self._touch(i)
+            self.beat_reported[i] = self.col_queue[i] if self.col_alive[i] else 0
+        if self.cfg.admission_read_phase is None:
+            self.col_beat[i] = self.beat_reported[i]
+            self._touch(i)
         if arrivals_left or self.unfinished:
             self._push(now + self.cfg.admission_heartbeat_s, EV_HEARTBEAT, w)
+
+    def _read_heartbeats(self, now: float, arrivals_left: bool) -> None:
+        """The coordinator reads every worker's last heartbeat (admission_read_phase)."""
+        for i, reported in enumerate(self.beat_reported):
+            self.col_beat[i] = reported
+            self._touch(i)
+        if arrivals_left or self.unfinished:
+            self._push(now + self.cfg.admission_heartbeat_s, EV_HEARTBEAT, None)
 
     def _admit(self, r: Req, now: float) -> None:
         target = policy.least_loaded_in(self.col_jsq if self.jsq else self.col_load)
@@ -962,7 +982,7 @@ class Simulation:
                 # find it refused at the kill and admit it again (not a cut-off stream).
                 self.hung = -1
             self.col_alive[idx] = False
-            self.col_queue[idx] = self.col_beat[idx] = 0
+            self.col_queue[idx] = self.col_beat[idx] = self.beat_reported[idx] = 0
             self._touch(idx)
             moved.extend(w.lost)
             moved.extend(w.queue)

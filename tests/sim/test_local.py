@@ -251,3 +251,35 @@ def test_admission_reads_each_workers_queue_as_its_heartbeat_left_it() -> None:
     assert workers_of_the_burst(4.0) == [0, 1]
     with pytest.raises(ValueError, match="admission_heartbeat_s"):
         simulated([(0.0, 100, 10)], admission_heartbeat_s=-1.0)
+
+
+def test_the_heartbeats_phases_and_the_coordinators_read_decide_a_tie() -> None:
+    """The setting of the test above (heartbeats every 4 s; B on worker 1 ends at ~5.4 s,
+    the burst comes at 5.6 s) under other phases. Worker 1 reporting at 5.5 s (phase
+    0.375), after B ended: the burst's first goes to it. The default phases with the
+    coordinator reading the heartbeats at 3.6 s and 7.6 s (read phase 0.9): worker 1's
+    report of B at 4 s is not read before the burst, which again goes first to worker 1;
+    read at once (the default, the negative control), the two tie and it goes to worker 0."""
+    def workers_of_the_burst(**phases: Any) -> list[int]:
+        cfg = local_cluster_config("sim-small", SCALE, 2, fault_at_s=0.0,
+                                   restore_bytes_per_s=5e8, process_start_s=1.0,
+                                   heartbeat_s=4.0)
+        cfg = replace(cfg, fault=FaultSpec(kind=FaultKind.none), **phases)
+        requests = [(0.0, 100, 3000), (0.01, 100, 165), (5.6, 100, 50), (5.61, 100, 50)]
+        result = simulate(Workload(*(list(c) for c in zip(*requests, strict=True))),
+                          apply_policy(cfg, "stop_and_restart"))
+        a, b, *burst = result.requests
+        assert (a.worker, b.worker) == (0, 1)
+        assert 4.0 < b.finish < 5.5, b.finish
+        return [r.worker for r in burst]
+
+    assert workers_of_the_burst() == [0, 1]
+    assert workers_of_the_burst(admission_heartbeat_phases=(0.5, 0.375)) == [1, 0]
+    assert workers_of_the_burst(admission_read_phase=0.9) == [1, 0]
+    assert workers_of_the_burst(admission_heartbeat_phases=(0.5, 0.99),
+                                admission_read_phase=0.0) == [0, 1]
+    for bad in ({"admission_heartbeat_phases": (0.5, 0.5)},  # one worker, two phases
+                {"admission_heartbeat_phases": (1.0,)},
+                {"admission_read_phase": -0.1}):
+        with pytest.raises(ValueError, match="admission_"):
+            simulated([(0.0, 100, 10)], admission_heartbeat_s=1.0, **bad)

@@ -3,6 +3,7 @@ and the simulator against the real runs saved in bench/data."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gzip
 import io
@@ -51,6 +52,62 @@ def test_the_summary_gives_mean_ratios_counts_and_the_paired_ttft_ratio() -> Non
     assert "(2 seeds paired): 0.375" in real
     sim = next(line for line in lines if "stop_and_restart mean TTFT, sim" in line)
     assert "(2 seeds paired): 0.475" in sim  # 0.9/2.0 = 0.45, 1.3/2.6 = 0.5
+
+
+def test_the_phase_draws_summary_gives_the_draws_mean_and_whether_real_lies_in_range() -> None:
+    v = load_bench()
+
+    def side(ttft: float, recovery: float | None = 50.0) -> object:
+        return v.Side(ttft_s=ttft, tpot_s=0.1, recovery_s=recovery, recovery_strict_s=60.0,
+                      interrupted=10, failure_free_ttft_s=0.5, completed=300,
+                      back_after_s=48.0)
+
+    runs = [
+        # draws 0.8 and 1.4 around real 1.0: mean 1.1, in range
+        v.Validation(1, "lumen", side(1.0), side(2.0), (side(0.8), side(1.4))),
+        # draws 1.2 and 1.4 above real 1.0: mean 1.3, out of range; one never recovered
+        v.Validation(2, "lumen", side(1.0), side(1.0), (side(1.2), side(1.4, None))),
+        v.Validation(3, "lumen", side(1.0), side(1.0)),  # no draws: left out
+    ]
+    lines = v.spread_summary(runs).splitlines()
+    ttft = next(line for line in lines if line.startswith("lumen ") and "mean TTFT" in line)
+    assert "1.200 ±" in ttft and " 1/2 " in ttft and " 1/2  " in ttft, ttft
+    assert ttft.endswith("1:1.10 2:1.30"), ttft
+    recovery = next(line for line in lines if "recovery time (50%)" in line)
+    assert "(1 draws never recovered)" in recovery and " 1/1 " in recovery, recovery
+    assert v.spread_of((side(0.8), side(1.4)), side(1.0), "mean TTFT") == (0.8, 1.4, True)
+    assert v.spread_of((side(1.2), side(1.4)), side(1.0), "mean TTFT") == (1.2, 1.4, False)
+    assert v.spread_summary([runs[2]]) == ""  # nothing drawn, nothing said
+
+
+def test_the_phase_draws_are_seeded_and_move_the_simulated_side() -> None:
+    """The phase draws of one saved real run (seed 7 under LUMEN, the engine hung): the same
+    seed gives the same draws, and the draws differ from each other (the phases decide
+    ties), so the spread says something."""
+    v = load_bench()
+    data = (DATA / "validation-2026-12-07-hang-stalled.json.gz").read_bytes()
+    [record] = [r for r in json.loads(gzip.decompress(data))["runs"]
+                if r["seed"] == 7 and r["policy"] == "lumen"]
+    args = argparse.Namespace(**{"fault_kind": "kill", "hang_stall_s": None,
+                                 **record["settings"]}, policy=record["policy"],
+                              admission_heartbeat_s=1.0)
+    given = record["given"]
+    sent = [tuple(x) for x in record["sent"]]
+
+    def draws(seed: int) -> list[float]:
+        spread = v.phase_spread(sent, record["fault"], given["victim"],
+                                given["process_start_s"], given["overhead_s"], args, 4, seed)
+        return [side.ttft_s for side in spread]
+
+    first = draws(7)
+    assert first == draws(7)
+    assert len(set(first)) > 1, first
+    assert draws(8) != first
+    # Exact counts (no heartbeats): nothing to draw.
+    assert v.phase_spread(sent, record["fault"], given["victim"], given["process_start_s"],
+                          given["overhead_s"],
+                          argparse.Namespace(**{**vars(args), "admission_heartbeat_s": 0.0}),
+                          4, 7) == ()
 
 
 def test_resimulate_runs_the_saved_requests_again_and_refuses_an_older_file(
