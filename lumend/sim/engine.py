@@ -984,8 +984,12 @@ class Simulation:
             self.col_alive[idx] = False
             self.col_queue[idx] = self.col_beat[idx] = self.beat_reported[idx] = 0
             self._touch(idx)
-            moved.extend(w.lost)
+            # Those admitted after the fault, which the engine never read, first: the
+            # gateways find them refused and admit them again a few milliseconds before the
+            # broken streams' recoveries reach a survivor (the validation's hung-engine
+            # runs: the refused requests' first tokens came first on the survivor).
             moved.extend(w.queue)
+            moved.extend(w.lost)
             w.lost, w.queue = [], deque()
         if host_lost:
             exposed: dict[int, Req] = {}

@@ -283,3 +283,25 @@ def test_the_heartbeats_phases_and_the_coordinators_read_decide_a_tie() -> None:
                 {"admission_read_phase": -0.1}):
         with pytest.raises(ValueError, match="admission_"):
             simulated([(0.0, 100, 10)], admission_heartbeat_s=1.0, **bad)
+
+
+def test_requests_a_hung_engine_never_read_reach_the_survivor_before_its_broken_streams(
+) -> None:
+    """At a hung engine's kill the gateways find the requests admitted to it since the hang
+    refused and admit them again a few milliseconds before the broken streams' recoveries
+    arrive (the validation's real runs: their first tokens came first on the survivor). B
+    (2000-token prompt) runs on worker 1 when it hangs at 1 s; C (100 tokens) is admitted to
+    it at 1.5 s (worker 0 has two requests, and no stall); at the kill both recompute on
+    worker 0, C first: its first token comes before B's first one after the kill, which
+    would come first the other way round (B's 2000-token prefill ahead of C's)."""
+    cfg = local_cluster_config("sim-small", SCALE, 2, fault_at_s=1.0, restore_bytes_per_s=5e8,
+                               process_start_s=1.0, fault_kind=FaultKind.hang, victim=1)
+    cfg = replace(cfg, hang_stall_s=cfg.hang_detect_s)
+    requests = [(0.0, 100, 3000), (0.01, 2000, 200), (0.02, 100, 3000), (1.5, 100, 20)]
+    result = simulate(Workload(*(list(c) for c in zip(*requests, strict=True))),
+                      apply_policy(cfg, "stop_and_restart"))
+    a1, b, a2, c = result.requests
+    assert (a1.admitted_to, b.admitted_to, a2.admitted_to, c.admitted_to) == (0, 1, 0, 1)
+    assert b.interrupted_at >= 0 and c.interrupted_at < 0  # C was never read: not cut off
+    killed = 1.0 + cfg.hang_detect_s
+    assert killed < c.first_token < b.replay_first, (c.first_token, b.replay_first)
