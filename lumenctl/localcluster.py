@@ -422,7 +422,12 @@ class LocalCluster:
 
     def add_node(self, name: str) -> LumendNode:
         shadows = self.node_shadows.get(name, self.shadows)
-        ports = [*free_ports(4), free_port_run(self.workers_per_node * (shadows + 1))]
+        # One run below the ephemeral range for all of them: the gateway, rpc, checkpoint
+        # and metrics ports, then the engines'. A port the kernel handed out as free could
+        # be taken by an outgoing connection before lumend bound it (a full test run here:
+        # "checkpoint.listen ... Address already in use", a node that never started).
+        first = free_port_run(4 + self.workers_per_node * (shadows + 1))
+        ports = [first, first + 1, first + 2, first + 3, first + 4]
         config = self.workdir / f"{name}.toml"
         config.write_text(
             node_config_toml(
