@@ -194,11 +194,12 @@ def coordinator_client(view: ClusterView) -> CoordinatorClient:
 
 
 async def caught_up(client: CoordinatorClient, workers: int, timeout_s: float = 10.0,
-                    with_checkpoint: bool = False) -> None:
+                    with_checkpoint: bool = False, policy: str | None = None) -> None:
     """Wait until the coordinator's own view (read once per HA cycle, so up to a cycle behind
     what a test read from etcd) sees `workers` serving: probe admissions until they have gone
     to as many different workers (`with_checkpoint`: each with a checkpoint, so the holders'
-    budgets are seen too). The probes are finished however it ends."""
+    budgets are seen too; `policy`: each decided under that mode, which the coordinator also
+    reads once a cycle). The probes are finished however it ends."""
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
     n = 0
@@ -210,9 +211,11 @@ async def caught_up(client: CoordinatorClient, workers: int, timeout_s: float = 
                 f"of {workers} workers (last: {last})")
             admission = await client.admit(f"probe-{n}", None, "test")
             n += 1
-            last = admission.reason
-            if admission.target is not None and (admission.checkpoint is not None
-                                                 or not with_checkpoint):
+            last = f"{admission.policy}: {admission.reason}"
+            if policy is not None and admission.policy != policy:
+                seen.clear()
+            elif admission.target is not None and (admission.checkpoint is not None
+                                                   or not with_checkpoint):
                 seen.add(admission.target.worker)
             await asyncio.sleep(0.05)
     finally:

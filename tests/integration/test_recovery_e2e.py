@@ -27,7 +27,7 @@ from lumend.rpc.client import CoordinatorClient
 
 from ..gateway.test_gateway import chat_prompt, expected, stream
 from .conftest import wait_until
-from .test_coordinator import all_serving, metric
+from .test_coordinator import all_serving, caught_up, metric
 
 MakeCluster = Callable[..., LocalCluster]
 
@@ -37,30 +37,14 @@ RECOVER = ("lumen_gateway_coordinated_total", '{call="recover"}')
 
 
 async def coordinator_in_mode(cluster: LocalCluster, mode: str, workers: int) -> None:
-    """Wait until the coordinator admits under `mode` (it reads `config` once per HA cycle)
-    and its view has every worker serving: probes held open until admissions under `mode`
-    have reached each worker (its own queue counts spread them), then finished."""
+    """Wait until the coordinator admits under `mode` and its view has every worker serving
+    (`caught_up` with `policy`)."""
     view = await asyncio.to_thread(read_view, cluster.endpoints, cluster.cluster)
     assert view.coordinator is not None
     client = CoordinatorClient(view.coordinator.record.rpc)
-    seen: set[str] = set()
-    deadline = time.monotonic() + 30
-    n = 0
     try:
-        while len(seen) < workers:
-            assert time.monotonic() < deadline, (
-                f"the coordinator did not admit under {mode} to all {workers} workers "
-                f"(saw {sorted(seen)})")
-            admission = await client.admit(f"probe-{mode}-{n}", None, "test")
-            n += 1
-            if admission.policy != mode:
-                seen.clear()
-                await asyncio.sleep(0.05)
-            elif admission.target is not None:
-                seen.add(admission.target.worker)
+        await caught_up(client, workers, 30.0, policy=mode)
     finally:
-        for i in range(n):
-            await client.finish(f"probe-{mode}-{i}")
         await client.close()
 
 
