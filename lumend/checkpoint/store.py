@@ -7,8 +7,11 @@ frame), so storing it copies nothing.
 Invariant: for every worker, the bytes held never exceed its budget. A page that does not
 fit either makes room by evicting whole checkpoints of the same worker (policy `lru`,
 `shortest_prefix`, `longest_prefix_protected`) or is refused (`refuse`, or when eviction
-cannot free enough). A checkpoint refused or evicted stays dead until it is finished or its
-TTL passes: later pages of it are refused, since pages beyond a lost prefix are useless.
+cannot free enough). A checkpoint refused or evicted stays dead until its TTL passes:
+later pages of it are refused, since pages beyond a lost prefix are useless.
+A finished one stays dead for the TTL too: an engine's pages and its scheduler's FINISH
+travel on two connections, and a page that arrives after the FINISH would otherwise grow the
+checkpoint back as an orphan holding budget until the TTL.
 """
 
 from __future__ import annotations
@@ -110,8 +113,9 @@ class CheckpointStore:
         self._clock = clock
         self.stats: dict[str, WorkerStats] = {w: WorkerStats(budget_bytes) for w in workers}
         self.checkpoints: dict[str, Checkpoint] = {}
-        # ckpt id -> when it died (refused or evicted); a bounded memory, oldest forgotten
-        self._dead: OrderedDict[str, float] = OrderedDict()
+        # ckpt id -> when and why it died (refused, evicted or finished); a bounded memory,
+        # oldest forgotten
+        self._dead: OrderedDict[str, tuple[float, Reason]] = OrderedDict()
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -124,7 +128,11 @@ class CheckpointStore:
             raise StoreRefusal("unknown_worker", f"worker: {worker!r} is not a worker of this "
                                f"node ({', '.join(self.stats) or 'it has none'})")
         now = self._clock()
-        if ckpt_id in self._dead:
+        dead = self._dead.get(ckpt_id)
+        if dead is not None:
+            if dead[1] == "finished":
+                raise StoreRefusal("finished", f"checkpoint {ckpt_id}: its request finished "
+                                   "before this page arrived; the page is not kept")
             raise StoreRefusal("evicted", f"checkpoint {ckpt_id} was evicted or refused; "
                                "its later pages are not kept")
         ckpt = self.checkpoints.get(ckpt_id)
@@ -168,10 +176,10 @@ class CheckpointStore:
         ckpt = self.checkpoints.get(ckpt_id)
         if ckpt is not None and request_id and ckpt.owner and request_id != ckpt.owner:
             return None
-        self._dead.pop(ckpt_id, None)
         if ckpt is None:
-            return 0
+            return 0  # never held, or evicted or refused: a dead one stays so for the TTL
         self._drop(ckpt)
+        self._mark_dead(ckpt_id, self._clock(), "finished")
         return ckpt.nbytes
 
     def collect_orphans(self) -> list[str]:
@@ -182,7 +190,7 @@ class CheckpointStore:
         for ckpt in orphans:
             self._drop(ckpt)
             self.stats[ckpt.worker].orphans += 1
-        while self._dead and next(iter(self._dead.values())) < horizon:
+        while self._dead and next(iter(self._dead.values()))[0] < horizon:
             self._dead.popitem(last=False)
         return [c.ckpt_id for c in orphans]
 
@@ -235,8 +243,8 @@ class CheckpointStore:
         stats.bytes_held -= ckpt.nbytes
         stats.requests -= 1
 
-    def _mark_dead(self, ckpt_id: str, now: float) -> None:
-        self._dead[ckpt_id] = now
+    def _mark_dead(self, ckpt_id: str, now: float, why: Reason = "evicted") -> None:
+        self._dead[ckpt_id] = (now, why)
         self._dead.move_to_end(ckpt_id)
         while len(self._dead) > DEAD_REMEMBERED:
             self._dead.popitem(last=False)

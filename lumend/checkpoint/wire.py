@@ -37,6 +37,7 @@ Reason = Literal[
     "unknown_worker",  # the worker named is not one this holder accounts for
     "budget",          # the worker's budget is full: the checkpoint (or this page) is refused
     "evicted",         # the checkpoint was evicted or refused earlier; its pages are gone
+    "finished",        # the checkpoint's request finished (FINISH) before this page came
     "missing",         # GET of a page the holder does not have
     "unauthenticated",  # a peer without the cluster's CURVE keys (refused at the handshake)
 ]

@@ -342,7 +342,8 @@ class LumenConnector(KVConnectorBase_V1):
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is not None:
             # The request ended here (done, or its client left): free its checkpoint. The
-            # step's pages were queued before this runs; a late one is dropped by the holder.
+            # step's pages were queued before this runs; one that arrives after this FINISH
+            # (another connection) is refused by the holder (`finished`), not kept.
             self._streamer(tracked.plan.holder, self._scheduler_layout()).finish(
                 tracked.plan.ckpt_id, request.request_id)
         return False, None

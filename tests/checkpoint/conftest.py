@@ -15,7 +15,7 @@ import zmq
 from lumend.checkpoint import wire
 from lumend.checkpoint.holder import HolderConfig, HolderService, HolderStats
 from lumend.checkpoint.security import CurveKeys
-from lumend.checkpoint.store import Policy
+from lumend.checkpoint.store import CheckpointStore, Policy
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 
 T = TypeVar("T")
@@ -36,8 +36,8 @@ def page(fill: int) -> bytes:
 class RunningHolder:
     """A HolderService serving in a thread; `call` runs a function on its loop."""
 
-    def __init__(self, config: HolderConfig) -> None:
-        self.service = HolderService(config)
+    def __init__(self, config: HolderConfig, store: CheckpointStore | None = None) -> None:
+        self.service = HolderService(config, store=store)
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="holder", daemon=True)

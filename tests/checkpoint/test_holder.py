@@ -153,8 +153,10 @@ def test_the_budget_holds_under_a_random_workload(make_holder: MakeHolder,
     holder = make_holder(budget_bytes=budget, policy="lru")
     s = make_streamer(holder.endpoint, sndhwm=10_000)
     next_block: dict[str, int] = {}
+    generation = dict.fromkeys(range(9), 0)  # a finished slot's next request: a new id
     for _ in range(300):
-        ckpt = f"c{rng.randint(0, 8)}"
+        slot = rng.randint(0, 8)
+        ckpt = f"c{slot}.{generation[slot]}"
         if rng.random() < 0.85:
             i = next_block.get(ckpt, 0)
             s.put_block(ckpt_id=ckpt, request_id=ckpt, worker=rng.choice(["w0", "w1"]),
@@ -165,6 +167,7 @@ def test_the_budget_holds_under_a_random_workload(make_holder: MakeHolder,
         else:
             s.finish(ckpt, ckpt)
             next_block.pop(ckpt, None)
+            generation[slot] += 1
         for worker in holder.stats().workers.values():
             assert worker.bytes_held <= budget
     assert sum(w.evictions for w in holder.stats().workers.values()) > 0  # it was full

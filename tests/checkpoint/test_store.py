@@ -29,9 +29,10 @@ def make(budget: int, policy: Policy = "lru", workers: tuple[str, ...] = ("w0", 
 
 def put(store: CheckpointStore, ckpt: str, index: int, *, worker: str = "w0",
         tp_rank: int = 0, tp_size: int = 1, nbytes: int = PAGE, tokens: int | None = None,
-        model: str = "tiny", fingerprint: str = "fp-1") -> int:
+        model: str = "tiny", fingerprint: str = "fp-1", request_id: str = "") -> int:
     return store.put(
-        ckpt_id=ckpt, request_id=ckpt, worker=worker, model=model, fingerprint=fingerprint,
+        ckpt_id=ckpt, request_id=request_id or ckpt, worker=worker, model=model,
+        fingerprint=fingerprint,
         tp_rank=tp_rank, tp_size=tp_size, block_hash=block_hash(ckpt, index),
         meta=PageMeta(index, tokens if tokens is not None else 16 * (index + 1), "uint8",
                       (nbytes,)),
@@ -56,10 +57,12 @@ def test_the_budget_is_never_exceeded_under_a_random_workload(policy: Policy,
     store, clock = make(budget=rng.randint(0, 40) * PAGE, policy=policy)
     next_block: dict[str, int] = {}
     refused = evicted = 0
+    generation = dict.fromkeys(range(31), 0)  # a finished slot's next request: a new id
     for _ in range(3000):
         clock.now += rng.random()
         action = rng.random()
-        ckpt = f"c{rng.randint(0, 30)}"
+        slot = rng.randint(0, 30)
+        ckpt = f"c{slot}.{generation[slot]}"
         if action < 0.75:
             index = next_block.get(ckpt, 0)
             try:
@@ -73,6 +76,7 @@ def test_the_budget_is_never_exceeded_under_a_random_workload(policy: Policy,
         elif action < 0.85:
             store.finish(ckpt)
             next_block.pop(ckpt, None)
+            generation[slot] += 1
         elif action < 0.95:
             store.lookup(ckpt, [block_hash(ckpt, i) for i in range(next_block.get(ckpt, 0))])
         else:
@@ -175,6 +179,32 @@ def test_finish_frees_every_rank() -> None:
     assert store.finish("a") == 2 * PAGE
     assert store.stats["w0"].bytes_held == 0 and store.stats["w0"].requests == 0
     assert store.finish("a") == 0
+
+
+def test_a_page_that_arrives_after_its_finish_is_refused_not_kept_as_an_orphan() -> None:
+    """The engine's pages and its scheduler's FINISH travel on two connections: the last
+    step's page can arrive after the FINISH. It must not grow the checkpoint back and hold
+    budget until the TTL."""
+    store, clock = make(budget=10 * PAGE, ttl_s=30)
+    put(store, "a", 0)
+    assert store.finish("a", "a") == PAGE
+    assert store.finish("a", "a") == 0  # a repeated FINISH keeps it finished
+    with pytest.raises(StoreRefusal) as caught:
+        put(store, "a", 1)
+    assert caught.value.reason == "finished" and "finished before this page" in str(caught.value)
+    assert "a" not in store.checkpoints and store.stats["w0"].bytes_held == 0
+    # Negative control: a FINISH from a request the checkpoint moved away from frees nothing,
+    # and the checkpoint goes on growing.
+    put(store, "b", 0, request_id="old")
+    assert store.lookup("b", [block_hash("b", 0)], request_id="new") == 1
+    assert store.finish("b", "old") is None
+    put(store, "b", 1, request_id="new")
+    assert store.checkpoints["b"].reached[0] == 2
+    # The finished id is remembered for the TTL, then forgotten.
+    clock.now = 31
+    store.collect_orphans()
+    put(store, "a", 0)
+    assert store.checkpoints["a"].reached[0] == 1
 
 
 def test_orphans_are_collected_after_the_ttl() -> None:
