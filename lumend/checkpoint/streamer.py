@@ -14,7 +14,9 @@ held: a holder that goes away loses the blocks put meanwhile at once.
 
 ACKs from the holder say how far each checkpoint has reached; they are read, without
 waiting, on every call. `lookup` and `get` serve the resume side; they wait (with a timeout)
-on a socket of their own, so a full stream never delays a resume.
+on a socket of their own, so a full stream never delays a resume. `ask_lookup` and
+`lookup_answer` split a LOOKUP for a caller that must not wait: vLLM's scheduler, which
+a holder that does not answer would otherwise stall for every request resumed from it.
 
 Not thread-safe: use one streamer per thread (ZeroMQ sockets are not shareable).
 """
@@ -137,6 +139,8 @@ class CheckpointStreamer:
         self._held: deque[tuple[str, list[Any]]] = deque()
         self._rpc: zmq.Socket[Any] | None = None
         self._seq = itertools.count(1)
+        # `ask_lookup` calls not handed out yet: seq -> the reply once it came
+        self._awaited: dict[int, wire.Message | None] = {}
         self.progress: dict[str, CheckpointProgress] = {}
         self.counters = StreamerCounters()
 
@@ -306,13 +310,75 @@ class CheckpointStreamer:
         """Consecutive blocks of `hashes` the holder has on every tp rank; None: no answer.
         With `request_id` the resuming request takes the checkpoint over (its FINISH, not
         the previous engine's, frees it)."""
-        reply = self._call(wire.request(
-            wire.LOOKUP, ckpt_id=ckpt_id, hashes=list(hashes), model=self.layout.model,
-            layout_fingerprint=self.layout.layout_fingerprint, request_id=request_id),
-            timeout_s)
+        reply = self._call(self._lookup_header(ckpt_id, hashes, request_id), timeout_s)
         if reply is None or reply.header.op != wire.ACK:
             return None
         return reply.header.matched
+
+    def _lookup_header(self, ckpt_id: str, hashes: Sequence[bytes | str],
+                       request_id: str) -> Header:
+        return wire.request(
+            wire.LOOKUP, ckpt_id=ckpt_id, hashes=list(hashes), model=self.layout.model,
+            layout_fingerprint=self.layout.layout_fingerprint, request_id=request_id)
+
+    # -- the same LOOKUP for a caller that must not wait (vLLM's scheduler) ----------------
+
+    def ask_lookup(self, ckpt_id: str, hashes: Sequence[bytes | str], *,
+                   request_id: str = "") -> int | None:
+        """Send a LOOKUP and return at once: the call's number for `lookup_answer`, or None
+        when it could not even be queued."""
+        rpc = self._rpc_socket()
+        seq = next(self._seq)
+        header = msgspec.structs.replace(self._lookup_header(ckpt_id, hashes, request_id),
+                                         seq=seq)
+        try:
+            rpc.send(wire.encode_header(header), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        self._awaited[seq] = None
+        return seq
+
+    def lookup_answer(self, call: int, wait_s: float = 0.0) -> int | None:
+        """The blocks matched for an `ask_lookup` call (0 when the holder refused it), or
+        None while it is unanswered after waiting up to `wait_s`. An answer is handed out
+        once; `forget` a call given up on."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._collect_replies()
+            reply = self._awaited.get(call)
+            if reply is not None:
+                del self._awaited[call]
+                return reply.header.matched if reply.header.op == wire.ACK else 0
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._rpc_socket().poll(int(left * 1000) + 1, zmq.POLLIN):
+                return None
+
+    def forget(self, call: int) -> None:
+        """Give up on an `ask_lookup` call: its answer, if it ever comes, is dropped."""
+        self._awaited.pop(call, None)
+
+    def _collect_replies(self) -> None:
+        """Read every reply already here (no waiting), keeping those still awaited."""
+        rpc = self._rpc_socket()
+        while True:
+            try:
+                parts = rpc.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._keep_if_awaited(parts)
+
+    def _keep_if_awaited(self, parts: Sequence[Any]) -> wire.Message | None:
+        """Decode a reply; one to an `ask_lookup` call is kept for `lookup_answer`, and
+        None returned. Replies to calls given up on are dropped (None too)."""
+        try:
+            message = wire.decode(parts)
+        except WireError as exc:
+            self._count_error(exc.reason)
+            return None
+        if message.header.seq in self._awaited:
+            self._awaited[message.header.seq] = message
+            return None
+        return message
 
     def get(self, ckpt_id: str, block_hash: bytes | str, *, tp_rank: int | None = None,
             timeout_s: float = 1.0) -> FetchedPage | None:
@@ -352,11 +418,8 @@ class CheckpointStreamer:
                 break
             if not rpc.poll(int(timeout_s * 1000) + 1, zmq.POLLIN):
                 break
-            parts = rpc.recv_multipart(copy=False)
-            try:
-                message = wire.decode(parts)
-            except WireError as exc:
-                self._count_error(exc.reason)
+            message = self._keep_if_awaited(rpc.recv_multipart(copy=False))
+            if message is None:
                 continue
             index = pending.pop(message.header.seq, None)
             if index is None:
@@ -389,14 +452,9 @@ class CheckpointStreamer:
             left = deadline - time.monotonic()
             if left <= 0 or not self._rpc.poll(int(left * 1000) + 1, zmq.POLLIN):
                 return None
-            parts = self._rpc.recv_multipart(copy=False)
-            try:
-                message = wire.decode(parts)
-            except WireError as exc:
-                self._count_error(exc.reason)
-                continue
-            if message.header.seq == seq:  # replies to earlier calls that timed out: skip
-                return message
+            message = self._keep_if_awaited(self._rpc.recv_multipart(copy=False))
+            if message is not None and message.header.seq == seq:
+                return message  # (replies to earlier calls that timed out are skipped)
 
     def close(self) -> None:
         self._stream.close(0)

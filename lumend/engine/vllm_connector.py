@@ -82,6 +82,12 @@ log = logging.getLogger("vllm.lumen_connector")
 # The connector API is experimental and changes between releases: this module is written
 # against these versions, and refuses to load elsewhere rather than misbehave.
 SUPPORTED_VLLM = ((0, 32), (0, 33))
+# A resumed request's LOOKUP: answered within LOOKUP_INLINE_WAIT_S (a live holder, a round
+# trip), it is scheduled at once; else it waits (vLLM asks again at its next pass, other
+# requests go on) up to LOOKUP_TIMEOUT_S, then recomputes. Waiting inline for the whole
+# timeout stalled the engine's every request for each request resumed from a holder that did
+# not answer.
+LOOKUP_INLINE_WAIT_S = 0.005
 LOOKUP_TIMEOUT_S = 0.5
 GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
 # GETs in flight while a resume fetches its pages: enough to hide a network round trip,
@@ -157,6 +163,15 @@ class _Tracked:
     load_blocks: int = 0  # blocks to load before the first forward
 
 
+@dataclass(frozen=True)
+class _PendingLookup:
+    """A LOOKUP sent and not answered yet (scheduler side)."""
+
+    streamer: CheckpointStreamer
+    call: int
+    deadline: float
+
+
 def layout_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
     """What two engines must share for a page of one to be valid in the other."""
     groups = kv_cache_config.kv_cache_groups
@@ -195,6 +210,7 @@ class LumenConnector(KVConnectorBase_V1):
         # Scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (local tokens, holder blocks)
+        self._lookups: dict[str, _PendingLookup] = {}  # req -> its LOOKUP not answered yet
         # Worker side
         self._pages: KvPages | None = None
         self._page_layout: PageLayout | None = None
@@ -261,28 +277,50 @@ class LumenConnector(KVConnectorBase_V1):
         remembered = self._matched.get(request.request_id)
         if remembered is None:
             blocks = self._lookup(tracked)
+            if blocks is None:
+                return None, False  # not answered yet: vLLM asks again at its next pass
             remembered = self._matched[request.request_id] = (num_computed_tokens, blocks)
         _, blocks = remembered
         # At least one token is left to compute: it yields the next token.
         blocks = min(blocks, (request.num_tokens - 1) // self._block_size)
         return max(0, blocks * self._block_size - num_computed_tokens), False
 
-    def _lookup(self, tracked: _Tracked) -> int:
-        hashes = [bytes(h) for h in tracked.request.block_hashes]
-        if not hashes:
-            return 0
-        streamer = self._streamer(tracked.plan.holder, self._scheduler_layout())
-        matched = streamer.lookup(tracked.plan.ckpt_id, hashes, timeout_s=LOOKUP_TIMEOUT_S,
-                                  request_id=tracked.request.request_id)
+    def _lookup(self, tracked: _Tracked) -> int | None:
+        """Blocks the holder has for a resumed request; None while its answer is awaited
+        (the scheduler never waits more than LOOKUP_INLINE_WAIT_S for it)."""
+        request_id = tracked.request.request_id
+        pending = self._lookups.get(request_id)
+        if pending is None:
+            hashes = [bytes(h) for h in tracked.request.block_hashes]
+            if not hashes:
+                return 0
+            streamer = self._streamer(tracked.plan.holder, self._scheduler_layout(),
+                                      wait=False)  # the LOOKUP is queued until it connects
+            call = streamer.ask_lookup(tracked.plan.ckpt_id, hashes, request_id=request_id)
+            if call is None:
+                return self._unanswered(tracked)
+            pending = self._lookups[request_id] = _PendingLookup(
+                streamer, call, time.monotonic() + LOOKUP_TIMEOUT_S)
+            matched = streamer.lookup_answer(call, LOOKUP_INLINE_WAIT_S)
+        else:
+            matched = pending.streamer.lookup_answer(pending.call)
         if matched is None:
-            if tracked.plan.holder not in self._unreachable_logged:
-                self._unreachable_logged.add(tracked.plan.holder)
-                log.warning("holder %s did not answer LOOKUP within %.1f s; resumed requests "
-                            "recompute their prompt", tracked.plan.holder, LOOKUP_TIMEOUT_S)
-            return 0
+            if time.monotonic() < pending.deadline:
+                return None
+            pending.streamer.forget(pending.call)
+            del self._lookups[request_id]
+            return self._unanswered(tracked)
+        del self._lookups[request_id]
         if matched:
             self.counters["lookup_hits"] += 1
         return matched
+
+    def _unanswered(self, tracked: _Tracked) -> int:
+        if tracked.plan.holder not in self._unreachable_logged:
+            self._unreachable_logged.add(tracked.plan.holder)
+            log.warning("holder %s did not answer LOOKUP within %.1f s; resumed requests "
+                        "recompute their prompt", tracked.plan.holder, LOOKUP_TIMEOUT_S)
+        return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -339,6 +377,9 @@ class LumenConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._matched.pop(request.request_id, None)
+        pending = self._lookups.pop(request.request_id, None)
+        if pending is not None:  # it ended (aborted) while its LOOKUP was awaited
+            pending.streamer.forget(pending.call)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is not None:
             # The request ended here (done, or its client left): free its checkpoint. The

@@ -65,6 +65,9 @@ class RunningHolder:
         self._started.result(timeout=10)
         return self
 
+    def service_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     @property
     def endpoint(self) -> str:
         return self.service.endpoint

@@ -141,3 +141,46 @@ def test_pages_held_for_a_holder_that_never_connects_are_dropped_after_the_grace
     assert s.never_connected and s.held == 0
     assert (s.progress["c1"].dropped, s.counters.dropped, s.counters.sent) == (4, 4, 0)
     assert not put(s, "c1", 4, page(4)), "a block after the lost ones is useless"
+
+
+def stall(holder: RunningHolder, seconds: float) -> None:
+    """Block the holder's event loop (a hung holder: its socket accepts, nothing answers)."""
+    holder.service_loop().call_soon_threadsafe(time.sleep, seconds)
+
+
+def test_a_lookup_asked_without_waiting_is_answered_later_and_never_lost(
+    holder: RunningHolder, make_streamer: MakeStreamer,
+) -> None:
+    """vLLM's scheduler asks a LOOKUP and goes on; the answer is picked up at a later pass,
+    even when a blocking call (a GET) read the socket in between."""
+    s = make_streamer(holder.endpoint)
+    for i in range(3):
+        assert put(s, "c1", i, page(i))
+    assert s.wait_acks("c1", 10).reached == 3
+    chain = [block_hash("c1", i) for i in range(4)]
+
+    answered = s.ask_lookup("c1", chain, request_id="r2")
+    assert answered is not None
+    assert s.lookup_answer(answered, wait_s=10) == 3
+    assert s.lookup_answer(answered) is None, "an answer is handed out once"
+
+    # A hung holder: the answer is not there; the caller is not held; it comes later.
+    stall(holder, 1.5)
+    late = s.ask_lookup("c1", chain)
+    assert late is not None
+    waited = time.monotonic()
+    assert s.lookup_answer(late, wait_s=0.005) is None
+    assert time.monotonic() - waited < 1.0, "an unanswered LOOKUP must not hold the caller"
+    # A GET (a blocking call) reads the same socket meanwhile: the LOOKUP's answer is kept.
+    fetched = s.get("c1", block_hash("c1", 0), timeout_s=10)
+    assert fetched is not None and bytes(fetched.data) == page(0)
+    assert s.lookup_answer(late, wait_s=10) == 3
+
+    # Given up on (the request ended): its answer, when it comes, is dropped.
+    stall(holder, 0.5)
+    abandoned = s.ask_lookup("c1", chain)
+    assert abandoned is not None
+    s.forget(abandoned)
+    assert s.lookup("c1", chain, timeout_s=10) == 3
+    assert s.lookup_answer(abandoned, wait_s=0.2) is None
+    assert not s._awaited, "nothing is kept for calls given up on"

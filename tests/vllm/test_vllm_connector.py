@@ -7,12 +7,14 @@ pages corrupted, B's continuation diverges: the loaded pages are what B computes
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -89,7 +91,7 @@ class VllmServer:
         far)`; the tokens seen."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                "stream": True, "kv_transfer_params": {"lumen": lumen}}
+                "stream": True, **({"kv_transfer_params": {"lumen": lumen}} if lumen else {})}
         request = urllib.request.Request(self.url + "/v1/completions",
                                          data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -115,6 +117,21 @@ class VllmServer:
             raise AssertionError(f"the stream ended after {len(tokens)} tokens, before the "
                                  "kill condition held")
         return tokens
+
+    def inter_token_gaps(self) -> dict[float, float]:
+        """vLLM's inter-token latency histogram (measured at its API server, so the test
+        client's own lag does not count): lower edge of each bucket -> gaps in it, summed
+        over the engine's requests."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        at_most: dict[float, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:inter_token_latency_seconds_bucket{"):
+                bound = line.split('le="', 1)[1].split('"', 1)[0]
+                edge = float("inf") if bound == "+Inf" else float(bound)
+                at_most[edge] = at_most.get(edge, 0.0) + float(line.rsplit(" ", 1)[1])
+        edges = sorted(at_most)
+        return {low: at_most[high] - at_most[low] for low, high in itertools.pairwise(edges)}
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
@@ -319,6 +336,55 @@ def test_a_holder_that_connects_late_still_gets_the_checkpoint_from_its_first_bl
     finally:
         for running in late:
             running.stop()
+
+
+HUNG_HOLDER_RESUMES = 24  # blocking, the scheduler would stall 24 x LOOKUP_TIMEOUT_S (12 s)
+
+
+def test_resumes_from_a_hung_holder_recompute_without_stalling_the_engine(
+    engine: VllmServer, holder: RunningHolder,
+) -> None:
+    """A holder that accepts connections and answers nothing (hung, or its node black-holed
+    before the coordinator noticed): each request resumed from it recomputes, exactly, and
+    the engine's other requests go on meanwhile. The scheduler used to ask each LOOKUP and
+    wait up to 0.5 s for its answer, during which the whole engine stood still: with 24 such
+    resumes every request on it waited 10 s or more between two tokens (the negative
+    control: LOOKUP_INLINE_WAIT_S set to LOOKUP_TIMEOUT_S). Now none waits 0.5 s, also on a
+    machine loaded with two busy loops; the bound asserted is 3 s."""
+    from lumend.engine.vllm_connector import LOOKUP_TIMEOUT_S
+
+    baseline = engine.complete(PROMPT, CONTINUE, {})
+    gaps_before = engine.inter_token_gaps()
+    woken = threading.Event()
+    holder.service_loop().call_soon_threadsafe(woken.wait, 120)  # hung until woken
+    try:
+        with ThreadPoolExecutor(HUNG_HOLDER_RESUMES + 1) as pool:
+            steady = pool.submit(engine.stream, PROMPT, MAX_LEN - len(PROMPT) - 1, {},
+                                 lambda tokens: False)
+            time.sleep(0.5)  # the steady request is decoding when the resumes come
+            resumed = [pool.submit(engine.complete, PROMPT, CONTINUE,
+                                   {"holder": holder.endpoint, "worker": "h0",
+                                    "ckpt_id": f"hung-{i}", "mode": "resume"})
+                       for i in range(HUNG_HOLDER_RESUMES)]
+            outputs = [future.result() for future in resumed]
+            steady_tokens = steady.result()
+    finally:
+        woken.set()
+    gaps = {low: n - gaps_before.get(low, 0.0) for low, n in engine.inter_token_gaps().items()}
+    longest = max((low for low, n in gaps.items() if n > 0), default=0.0)
+    print(f"{HUNG_HOLDER_RESUMES} resumes from a hung holder: the longest gap between two "
+          f"tokens of a request was at least {longest} s; gaps of 0.5 s or more: "
+          f"{ {low: n for low, n in gaps.items() if low >= 0.5 and n} }")
+    assert all(out == baseline for out in outputs), "a resume that recomputes is exact"
+    assert len(steady_tokens) == MAX_LEN - len(PROMPT) - 1
+    assert longest < HUNG_HOLDER_RESUMES * LOOKUP_TIMEOUT_S / 4, (
+        f"the engine stood still for at least {longest} s while its resumes waited for a "
+        "hung holder")
+    # The LOOKUPs were asked: the holder answers them once it wakes (nobody listens then).
+    deadline = time.monotonic() + 30
+    while holder.stats().lookups < HUNG_HOLDER_RESUMES:
+        assert time.monotonic() < deadline, "the resumes never asked the holder"
+        time.sleep(0.5)
 
 
 def test_a_resume_the_holder_cannot_serve_recomputes(
