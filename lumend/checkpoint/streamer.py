@@ -243,15 +243,23 @@ class CheckpointStreamer:
         self.counters.sent += 1
         return True
 
-    def finish(self, ckpt_id: str, request_id: str) -> bool:
+    def finish(self, ckpt_id: str, request_id: str, *, queued: bool = False) -> bool:
         """Tell the holder the request `request_id` ended (its pages are freed unless another
-        request has resumed the checkpoint since); False when not sent."""
+        request has resumed the checkpoint since); False when not sent.
+
+        On the stream by default: after this streamer's pages, and dropped when no holder is
+        connected. `queued`: on the call socket instead, which keeps it (up to its
+        high-water mark) until the holder connects, for a caller that sends no pages and
+        must not wait for a connection (vLLM's scheduler)."""
         progress = self.progress.pop(ckpt_id, None)
         if progress is not None:
             progress.finished = True
+        frame = wire.encode_header(wire.request(wire.FINISH, ckpt_id=ckpt_id,
+                                                request_id=request_id))
+        if queued:
+            self._collect_replies()  # the ACKs of earlier ones: nobody waits for them
         try:
-            self._stream.send(wire.encode_header(wire.request(
-                wire.FINISH, ckpt_id=ckpt_id, request_id=request_id)), flags=zmq.NOBLOCK)
+            (self._rpc_socket() if queued else self._stream).send(frame, flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

@@ -94,10 +94,6 @@ GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
 # few enough that the replies in flight stay within GET_WINDOW_BYTES.
 GET_WINDOW = 64
 GET_WINDOW_BYTES = 16 << 20
-# What a lookup or FINISH waits for a new holder's connection. Saves never wait: a handshake
-# on a busy node can take longer than a step, so their pages are held for the holder's first
-# connection (ENGINE_CONNECT_GRACE_S) and a checkpoint keeps its first blocks.
-CONNECT_TIMEOUT_S = 1.0
 IN_FLIGHT_MIB = 256  # per engine rank; kv_connector_extra_config {"in_flight_mib": N}
 
 
@@ -230,11 +226,12 @@ class LumenConnector(KVConnectorBase_V1):
 
     # -- shared --------------------------------------------------------------------------
 
-    def _streamer(self, holder: str, layout: PageLayout, *,
-                  wait: bool = True) -> CheckpointStreamer:
-        """The streamer to `holder`, made on first use. `wait`: a new holder's connection is
-        waited for once (lookups and FINISH, which are not held); saves do not wait: the
-        pages put before the connection are held for ENGINE_CONNECT_GRACE_S."""
+    def _streamer(self, holder: str, layout: PageLayout) -> CheckpointStreamer:
+        """The streamer to `holder`, made on first use; nothing waits for its connection.
+        Pages saved before it are held for ENGINE_CONNECT_GRACE_S (a handshake on a busy
+        node can take longer than a step); LOOKUP, GET and the scheduler's FINISH go on the
+        call socket, which queues them until the holder connects. Waiting for a new holder's
+        connection stalled the engine (1 s per holder that did not come up)."""
         streamer = self._streamers.get(holder)
         if streamer is None:
             # A long prompt's prefill fills many blocks in one step: the send queue holds
@@ -243,9 +240,6 @@ class LumenConnector(KVConnectorBase_V1):
             streamer = self._streamers[holder] = CheckpointStreamer(
                 holder, layout, sndhwm=sndhwm, connect_grace_s=ENGINE_CONNECT_GRACE_S,
                 **_curve_kwargs())
-            if wait and not streamer.wait_connected(CONNECT_TIMEOUT_S):
-                log.warning("holder %s not connected within %.1f s", holder,
-                            CONNECT_TIMEOUT_S)
         return streamer
 
     def _scheduler_layout(self) -> PageLayout:
@@ -294,8 +288,7 @@ class LumenConnector(KVConnectorBase_V1):
             hashes = [bytes(h) for h in tracked.request.block_hashes]
             if not hashes:
                 return 0
-            streamer = self._streamer(tracked.plan.holder, self._scheduler_layout(),
-                                      wait=False)  # the LOOKUP is queued until it connects
+            streamer = self._streamer(tracked.plan.holder, self._scheduler_layout())
             call = streamer.ask_lookup(tracked.plan.ckpt_id, hashes, request_id=request_id)
             if call is None:
                 return self._unanswered(tracked)
@@ -386,7 +379,7 @@ class LumenConnector(KVConnectorBase_V1):
             # step's pages were queued before this runs; one that arrives after this FINISH
             # (another connection) is refused by the holder (`finished`), not kept.
             self._streamer(tracked.plan.holder, self._scheduler_layout()).finish(
-                tracked.plan.ckpt_id, request.request_id)
+                tracked.plan.ckpt_id, request.request_id, queued=True)
         return False, None
 
     # -- worker side ---------------------------------------------------------------------
@@ -500,7 +493,7 @@ class LumenConnector(KVConnectorBase_V1):
 
     def _send(self, save: SaveSpec, page: Any) -> None:
         assert self._page_layout is not None
-        streamer = self._streamer(save.plan.holder, self._page_layout, wait=False)
+        streamer = self._streamer(save.plan.holder, self._page_layout)
         streamer.put_block(
             ckpt_id=save.plan.ckpt_id, request_id=save.request_id, worker=save.plan.worker,
             block_index=save.block_index, block_hash=save.block_hash, page=page,

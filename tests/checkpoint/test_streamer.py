@@ -184,3 +184,22 @@ def test_a_lookup_asked_without_waiting_is_answered_later_and_never_lost(
     assert s.lookup("c1", chain, timeout_s=10) == 3
     assert s.lookup_answer(abandoned, wait_s=0.2) is None
     assert not s._awaited, "nothing is kept for calls given up on"
+
+
+def test_a_queued_finish_from_a_streamer_not_connected_yet_reaches_the_holder(
+    holder: RunningHolder, make_streamer: MakeStreamer,
+) -> None:
+    """vLLM's scheduler sends FINISH with a streamer that sent no page and does not wait for
+    its connection: queued, it frees the checkpoint once connected (on the stream, which
+    needs a connection, it is dropped: `finish` without `queued`)."""
+    pages = make_streamer(holder.endpoint)
+    for i in range(2):
+        assert put(pages, "c1", i, page(i))
+    assert pages.wait_acks("c1", 10).reached == 2
+    scheduler = make_streamer(holder.endpoint, connect=False)
+    assert scheduler.finish("c1", "c1", queued=True)
+    deadline = time.monotonic() + 10
+    while holder.call(lambda: "c1" in holder.service.store.checkpoints):
+        assert time.monotonic() < deadline, "the queued FINISH never freed the checkpoint"
+        time.sleep(0.05)
+    assert holder.stats().workers["w0"].bytes_held == 0
