@@ -93,6 +93,7 @@ class StreamerCounters:
     dropped: int = 0
     acks: int = 0
     refusals: int = 0
+    timeouts: int = 0  # calls whose (next) reply did not come in time
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -425,6 +426,7 @@ class CheckpointStreamer:
             if not any(i < limit for i in pending.values()):
                 break
             if not rpc.poll(int(timeout_s * 1000) + 1, zmq.POLLIN):
+                self.counters.timeouts += 1
                 break
             message = self._keep_if_awaited(rpc.recv_multipart(copy=False))
             if message is None:
@@ -459,6 +461,7 @@ class CheckpointStreamer:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._rpc.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self.counters.timeouts += 1
                 return None
             message = self._keep_if_awaited(self._rpc.recv_multipart(copy=False))
             if message is not None and message.header.seq == seq:

@@ -90,6 +90,10 @@ SUPPORTED_VLLM = ((0, 32), (0, 33))
 LOOKUP_INLINE_WAIT_S = 0.005
 LOOKUP_TIMEOUT_S = 0.5
 GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
+# A holder whose GETs timed out is not asked again for this long: the loads of the next
+# resumed requests (in the same step, the worker fetches them one after another) fail at
+# once and recompute, instead of each waiting GET_TIMEOUT_S with the engine standing still.
+SILENT_HOLDER_S = 10.0
 # GETs in flight while a resume fetches its pages: enough to hide a network round trip,
 # few enough that the replies in flight stay within GET_WINDOW_BYTES.
 GET_WINDOW = 64
@@ -214,6 +218,7 @@ class LumenConnector(KVConnectorBase_V1):
         self._copying: deque[tuple[StagedPages, list[SaveSpec]]] = deque()
         self._finished_while_copying: set[str] = set()
         self._load_errors: set[int] = set()
+        self._silent_until: dict[str, float] = {}  # worker: holder -> no GETs until then
         # Counts since the last stats report (vLLM sums them into Prometheus counters).
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         # Scheduler: the step-cost fit's sums since the last report (lumend.engine.step_fit).
@@ -433,11 +438,21 @@ class LumenConnector(KVConnectorBase_V1):
     def _fetch(self, load: LoadSpec, layout: PageLayout) -> list[Any]:
         """The pages of `load` up to the first one missing or of the wrong size; the blocks
         after it are recomputed (kv_load_failure_policy=recompute)."""
-        streamer = self._streamer(load.plan.holder, layout)
-        fetched = streamer.get_many(load.plan.ckpt_id, load.block_hashes,
-                                    window=max(4, min(GET_WINDOW, GET_WINDOW_BYTES //
-                                                      layout.page_nbytes)),
-                                    timeout_s=GET_TIMEOUT_S)
+        holder = load.plan.holder
+        if self._silent_until.get(holder, 0.0) > time.monotonic():
+            fetched = []  # it did not answer a moment ago: recompute without asking
+        else:
+            streamer = self._streamer(holder, layout)
+            timeouts = streamer.counters.timeouts
+            fetched = streamer.get_many(load.plan.ckpt_id, load.block_hashes,
+                                        window=max(4, min(GET_WINDOW, GET_WINDOW_BYTES //
+                                                          layout.page_nbytes)),
+                                        timeout_s=GET_TIMEOUT_S)
+            if streamer.counters.timeouts > timeouts:
+                self._silent_until[holder] = time.monotonic() + SILENT_HOLDER_S
+                log.warning("holder %s did not answer a GET within %.0f s; loads from it "
+                            "recompute for the next %.0f s", holder, GET_TIMEOUT_S,
+                            SILENT_HOLDER_S)
         usable = 0
         while usable < len(fetched) and fetched[usable].data.nbytes == layout.page_nbytes:
             usable += 1

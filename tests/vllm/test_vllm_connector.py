@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from lumenctl.localcluster import free_ports, stop_process
-from lumend.checkpoint.store import CheckpointStore
+from lumend.checkpoint.store import CheckpointStore, Page
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
 from lumend.engine.adapter import LUMEN_KV_TRANSFER_CONFIG, parse_load
 from lumend.engine.step_fit import StepFitSums, solve
@@ -84,6 +84,20 @@ class VllmServer:
         tokens = [int(t) for t in choice["token_ids"]]
         assert len(tokens) == max_tokens
         return tokens
+
+    def complete_batch(self, prompts: list[list[int]], max_tokens: int,
+                       lumen: dict[str, str]) -> list[list[int]]:
+        """One completion request with several prompts (vLLM adds them to its engine at
+        once); each prompt's tokens, in order."""
+        body = {"model": self.model, "prompt": prompts, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "kv_transfer_params": {"lumen": lumen}}
+        request = urllib.request.Request(self.url + "/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            choices = sorted(json.load(r)["choices"], key=lambda c: c["index"])
+        return [[int(t) for t in choice["token_ids"]] for choice in choices]
 
     def stream(self, prompt: list[int], max_tokens: int, lumen: dict[str, str],
                kill_when: Callable[[list[int]], bool]) -> list[int]:
@@ -384,6 +398,80 @@ def test_resumes_from_a_hung_holder_recompute_without_stalling_the_engine(
     deadline = time.monotonic() + 30
     while holder.stats().lookups < HUNG_HOLDER_RESUMES:
         assert time.monotonic() < deadline, "the resumes never asked the holder"
+        time.sleep(0.5)
+
+
+class HangsAtFirstGet(CheckpointStore):
+    """A real store whose holder answers every LOOKUP as holding the whole chain, then
+    hangs at the first GET (its event loop blocked until `woken`): a holder that hung
+    between a resume's LOOKUP and its GETs."""
+
+    def __init__(self, woken: threading.Event) -> None:
+        super().__init__(("h0",), 256 << 20, "lru")
+        self.woken = woken
+        self.gets_seen = 0
+
+    def lookup(self, ckpt_id: str, hashes: Sequence[bytes], *, model: str = "",
+               fingerprint: str = "", request_id: str = "") -> int:
+        return len(hashes)
+
+    def get(self, ckpt_id: str, block_hash: bytes, tp_rank: int) -> Page | None:
+        self.gets_seen += 1
+        self.woken.wait(120)
+        return None
+
+
+SILENT_HOLDER_RESUMES = 8  # each one's load used to wait GET_TIMEOUT_S (2 s): 16 s
+
+
+def test_resumes_from_a_holder_that_hangs_at_its_gets_do_not_each_stall_the_engine(
+    engine: VllmServer,
+) -> None:
+    """The holder answers the resumes' LOOKUPs, then hangs at their GETs. The first load
+    waits GET_TIMEOUT_S and recomputes; the loads after it do not ask that holder again
+    for SILENT_HOLDER_S and recompute at once. Before, each waited 2 s in turn, the engine
+    standing still: 8 such resumes gave the other requests a gap of 10 s or more between
+    two tokens (negative control: SILENT_HOLDER_S = 0). Every resume recomputes exactly."""
+    from lumend.checkpoint.holder import HolderConfig
+
+    baseline = engine.complete(PROMPT, CONTINUE, {})
+    failures_before = engine.metric("lumen_ckpt_load_failures_total")
+    gaps_before = engine.inter_token_gaps()
+    woken = threading.Event()
+    store = HangsAtFirstGet(woken)
+    holder = RunningHolder(HolderConfig(listen="127.0.0.1:0", workers=("h0",),
+                                        budget_bytes=256 << 20), store=store).start()
+    try:
+        with ThreadPoolExecutor(SILENT_HOLDER_RESUMES + 1) as pool:
+            steady = pool.submit(engine.stream, PROMPT, MAX_LEN - len(PROMPT) - 1, {},
+                                 lambda tokens: False)
+            time.sleep(0.5)  # the steady request is decoding when the resumes come
+            # One request with eight prompts: the engine gets them at once, so one scheduler
+            # pass asks their eight LOOKUPs and one step loads them.
+            outputs = engine.complete_batch([PROMPT] * SILENT_HOLDER_RESUMES, CONTINUE,
+                                            {"holder": holder.endpoint, "worker": "h0",
+                                             "ckpt_id": "silent", "mode": "resume"})
+            steady_tokens = steady.result()
+    finally:
+        woken.set()
+        holder.stop()
+    gaps = {low: n - gaps_before.get(low, 0.0) for low, n in engine.inter_token_gaps().items()}
+    longest = max((low for low, n in gaps.items() if n > 0), default=0.0)
+    print(f"{SILENT_HOLDER_RESUMES} resumes from a holder that hangs at its GETs: the longest "
+          f"gap between two tokens of a request was at least {longest} s")
+    assert store.gets_seen >= 1, "no resume asked the holder for its pages"
+    assert len(outputs) == SILENT_HOLDER_RESUMES
+    assert all(out == baseline for out in outputs), "a resume that recomputes is exact"
+    assert len(steady_tokens) == MAX_LEN - len(PROMPT) - 1
+    assert longest < 6.0, (
+        f"the engine stood still for at least {longest} s while its resumes' loads waited "
+        "for a holder that had hung")
+    # Resumes whose LOOKUP was answered before the hang loaded, failed and recomputed (the
+    # others' LOOKUPs went unanswered: they recomputed without loading). The counters reach
+    # /metrics a little later.
+    deadline = time.monotonic() + 30
+    while engine.metric("lumen_ckpt_load_failures_total") == failures_before:
+        assert time.monotonic() < deadline, "no resume's load failed"
         time.sleep(0.5)
 
 
