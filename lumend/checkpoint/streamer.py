@@ -14,9 +14,10 @@ held: a holder that goes away loses the blocks put meanwhile at once.
 
 ACKs from the holder say how far each checkpoint has reached; they are read, without
 waiting, on every call. `lookup` and `get` serve the resume side; they wait (with a timeout)
-on a socket of their own, so a full stream never delays a resume. `ask_lookup` and
-`lookup_answer` split a LOOKUP for a caller that must not wait: vLLM's scheduler, which
-a holder that does not answer would otherwise stall for every request resumed from it.
+on a socket of their own, so a full stream never delays a resume. `ask` and `answer` split
+a call for a caller that must not wait (`ask_lookup`, `ask_get`; `lumend.checkpoint.fetch`
+fetches a checkpoint's pages that way): vLLM's scheduler and worker, which a holder that
+does not answer would otherwise stall for every request resumed from it.
 
 Not thread-safe: use one streamer per thread (ZeroMQ sockets are not shareable).
 """
@@ -140,7 +141,7 @@ class CheckpointStreamer:
         self._held: deque[tuple[str, list[Any]]] = deque()
         self._rpc: zmq.Socket[Any] | None = None
         self._seq = itertools.count(1)
-        # `ask_lookup` calls not handed out yet: seq -> the reply once it came
+        # `ask` calls not handed out yet: seq -> the reply once it came
         self._awaited: dict[int, wire.Message | None] = {}
         self.progress: dict[str, CheckpointProgress] = {}
         self.counters = StreamerCounters()
@@ -330,22 +331,13 @@ class CheckpointStreamer:
             wire.LOOKUP, ckpt_id=ckpt_id, hashes=list(hashes), model=self.layout.model,
             layout_fingerprint=self.layout.layout_fingerprint, request_id=request_id)
 
-    # -- the same LOOKUP for a caller that must not wait (vLLM's scheduler) ----------------
+    # -- calls answered later, for a caller that must not wait (vLLM's scheduler and worker) --
 
     def ask_lookup(self, ckpt_id: str, hashes: Sequence[bytes | str], *,
                    request_id: str = "") -> int | None:
         """Send a LOOKUP and return at once: the call's number for `lookup_answer`, or None
         when it could not even be queued."""
-        rpc = self._rpc_socket()
-        seq = next(self._seq)
-        header = msgspec.structs.replace(self._lookup_header(ckpt_id, hashes, request_id),
-                                         seq=seq)
-        try:
-            rpc.send(wire.encode_header(header), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        self._awaited[seq] = None
-        return seq
+        return self.ask(self._lookup_header(ckpt_id, hashes, request_id))
 
     def lookup_answer(self, call: int, wait_s: float = 0.0) -> int | None:
         """The blocks matched for an `ask_lookup` call (0 when the holder refused it), or
@@ -353,17 +345,58 @@ class CheckpointStreamer:
         once; `forget` a call given up on."""
         deadline = time.monotonic() + wait_s
         while True:
-            self._collect_replies()
-            reply = self._awaited.get(call)
+            reply = self.answer(call)
             if reply is not None:
-                del self._awaited[call]
                 return reply.header.matched if reply.header.op == wire.ACK else 0
             left = deadline - time.monotonic()
-            if left <= 0 or not self._rpc_socket().poll(int(left * 1000) + 1, zmq.POLLIN):
+            if left <= 0 or not self.wait_replies(left):
                 return None
 
+    def ask_get(self, ckpt_id: str, block_hash: bytes | str, *,
+                tp_rank: int | None = None) -> int | None:
+        """Send a GET for one page (this rank's unless `tp_rank`) and return at once: the
+        call's number for `answer`, or None when the send queue is full."""
+        rank = self.layout.tp_rank if tp_rank is None else tp_rank
+        return self.ask(wire.request(wire.GET, ckpt_id=ckpt_id, block_hash=block_hash,
+                                     tp_rank=rank, tp_size=self.layout.tp_size))
+
+    def ask(self, header: Header) -> int | None:
+        """Send a call without waiting: its number, or None when it could not be queued."""
+        rpc = self._rpc_socket()
+        seq = next(self._seq)
+        try:
+            rpc.send(wire.encode_header(msgspec.structs.replace(header, seq=seq)),
+                     flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        self._awaited[seq] = None
+        return seq
+
+    def answer(self, call: int) -> wire.Message | None:
+        """The reply to an `ask` call if it came (handed out once), else None; never waits."""
+        return self.answers((call,)).get(call)
+
+    def answers(self, calls: Iterable[int]) -> dict[int, wire.Message]:
+        """The replies that came to `calls` (each handed out once); never waits."""
+        self._collect_replies()
+        came: dict[int, wire.Message] = {}
+        for call in calls:
+            reply = self._awaited.get(call)
+            if reply is not None:
+                came[call] = reply
+                del self._awaited[call]
+        return came
+
+    def reply_socket(self) -> zmq.Socket[Any]:
+        """The socket the replies to `ask` calls come on (to wait on several streamers)."""
+        return self._rpc_socket()
+
+    def wait_replies(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a reply to arrive (True when one is here)."""
+        return bool(self._rpc_socket().poll(max(0, int(timeout_s * 1000)) + 1, zmq.POLLIN))
+
     def forget(self, call: int) -> None:
-        """Give up on an `ask_lookup` call: its answer, if it ever comes, is dropped."""
+        """Give up on an `ask` call: its reply, if it ever comes, is dropped."""
         self._awaited.pop(call, None)
 
     def _collect_replies(self) -> None:
@@ -377,8 +410,8 @@ class CheckpointStreamer:
             self._keep_if_awaited(parts)
 
     def _keep_if_awaited(self, parts: Sequence[Any]) -> wire.Message | None:
-        """Decode a reply; one to an `ask_lookup` call is kept for `lookup_answer`, and
-        None returned. Replies to calls given up on are dropped (None too)."""
+        """Decode a reply; one to an `ask` call is kept for `answer`, and None returned.
+        Replies to calls given up on are dropped (None too)."""
         try:
             message = wire.decode(parts)
         except WireError as exc:
@@ -406,42 +439,16 @@ class CheckpointStreamer:
         """The pages of `hashes`, in order, up to the first one missing or unanswered, with
         up to `window` GETs in flight (one round trip per page would bound a resume by the
         latency, not the bandwidth). `timeout_s` bounds the wait for each next reply."""
-        rank = self.layout.tp_rank if tp_rank is None else tp_rank
-        rpc = self._rpc_socket()
-        pending: dict[int, int] = {}  # seq -> index into hashes
+        from lumend.checkpoint.fetch import PageFetch
+
+        fetch = PageFetch(self, ckpt_id, hashes, tp_rank=tp_rank, window=window,
+                          timeout_s=timeout_s)
         pages: dict[int, FetchedPage] = {}
-        limit = len(hashes)  # the first index known missing (nothing after it is useful)
-        sent = 0
         while True:
-            while sent < limit and len(pending) < window:
-                seq = next(self._seq)
-                try:
-                    rpc.send(wire.encode_header(wire.request(
-                        wire.GET, seq=seq, ckpt_id=ckpt_id, block_hash=hashes[sent],
-                        tp_rank=rank, tp_size=self.layout.tp_size)), flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break  # the queue is full: collect replies first
-                pending[seq] = sent
-                sent += 1
-            if not any(i < limit for i in pending.values()):
-                break
-            if not rpc.poll(int(timeout_s * 1000) + 1, zmq.POLLIN):
-                self.counters.timeouts += 1
-                break
-            message = self._keep_if_awaited(rpc.recv_multipart(copy=False))
-            if message is None:
-                continue
-            index = pending.pop(message.header.seq, None)
-            if index is None:
-                continue  # a reply to an earlier call that timed out
-            if message.header.op == wire.ACK and message.payload is not None:
-                pages[index] = FetchedPage(message.header, message.payload)
-            else:
-                limit = min(limit, index)
-        prefix: list[FetchedPage] = []
-        while len(prefix) < limit and len(prefix) in pages:
-            prefix.append(pages[len(prefix)])
-        return prefix
+            pages.update(fetch.advance())
+            if fetch.done:
+                return [pages[i] for i in range(fetch.usable)]
+            self.wait_replies(fetch.wait_s())
 
     def _rpc_socket(self) -> zmq.Socket[Any]:
         if self._rpc is None:

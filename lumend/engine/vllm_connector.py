@@ -17,10 +17,13 @@ completed (a later step), so the step never waits for it. Pages go to the holder
 waiting (`CheckpointStreamer`: drops are counted, never block decoding). Resume: the request
 arrives as a new prompt (prompt + tokens already generated); vLLM's chained block hashes of
 that prompt are the hashes the saving engine streamed, so the scheduler asks the holder how
-many consecutive blocks it has (one `LOOKUP` of all of them) and the worker fetches them
-(`GET`s in flight together) and loads them in one batch before the forward that computes
-the rest. Best effort: any miss or bad page means recompute, never an error to the client
-(with `kv_load_failure_policy: recompute`).
+many consecutive blocks it has (one `LOOKUP` of all of them, answered without the scheduler
+waiting) and the worker fetches them beside the engine (vLLM's asynchronous load: the
+request waits in WAITING_FOR_REMOTE_KVS while its `GET`s are in flight, the pages are written
+into its blocks as they arrive, between forwards, and the other requests keep decoding);
+the request is scheduled once its pages are in. Best effort: any miss, bad page or silent
+holder means recompute, never an error to the client (with
+`kv_load_failure_policy: recompute`).
 
 Pages are opaque bytes, one page = one block of every layer of this tensor-parallel rank
 (`lumend.engine.kv_pages`); they only move between engines with the same layout fingerprint
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
+import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -50,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from lumend.checkpoint.fetch import PageFetch
 from lumend.checkpoint.streamer import (
     ENGINE_CONNECT_GRACE_S,
     CheckpointStreamer,
@@ -91,9 +96,11 @@ LOOKUP_INLINE_WAIT_S = 0.005
 LOOKUP_TIMEOUT_S = 0.5
 GET_TIMEOUT_S = 2.0  # for each next page of a resumed request
 # A holder whose GETs timed out is not asked again for this long: the loads of the next
-# resumed requests (in the same step, the worker fetches them one after another) fail at
-# once and recompute, instead of each waiting GET_TIMEOUT_S with the engine standing still.
+# resumed requests recompute at once instead of each waiting GET_TIMEOUT_S first.
 SILENT_HOLDER_S = 10.0
+# A step with nothing to compute while loads are in flight (vLLM steps again at once): the
+# worker waits this long for their pages instead of spinning the engine loop.
+IDLE_LOAD_WAIT_S = 0.005
 # GETs in flight while a resume fetches its pages: enough to hide a network round trip,
 # few enough that the replies in flight stay within GET_WINDOW_BYTES.
 GET_WINDOW = 64
@@ -136,7 +143,8 @@ class SaveSpec:
 
 @dataclass
 class LoadSpec:
-    """Blocks of a resumed request to fetch from the holder before this step's forward."""
+    """Blocks of a resumed request to fetch from the holder (vLLM allocated them; the
+    request waits until the worker reports them loaded)."""
 
     plan: CheckpointPlan
     request_id: str
@@ -148,6 +156,17 @@ class LoadSpec:
 class LumenConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing (only transfers are under way)
+
+
+@dataclass
+class _Load:
+    """A resumed request's pages on their way in (worker side)."""
+
+    spec: LoadSpec
+    fetch: PageFetch | None  # None: the holder is silent, nothing is asked
+
+
 
 
 @dataclass
@@ -159,8 +178,8 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # blocks 0..saved-1 are queued for saving (or were loaded)
     incomplete: bool = False  # the worker lost a block of it (dropped or refused)
-    load_from: int = 0  # first block to load (after the local prefix-cache hit)
-    load_blocks: int = 0  # blocks to load before the first forward
+    load_from: int = 0  # first block loaded (after the local prefix-cache hit)
+    load_block_ids: list[int] = field(default_factory=list)  # the blocks it loaded into
 
 
 @dataclass(frozen=True)
@@ -211,6 +230,7 @@ class LumenConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (local tokens, holder blocks)
         self._lookups: dict[str, _PendingLookup] = {}  # req -> its LOOKUP not answered yet
+        self._loads_to_start: list[LoadSpec] = []  # allocated since the last step's meta
         # Worker side
         self._pages: KvPages | None = None
         self._page_layout: PageLayout | None = None
@@ -218,6 +238,9 @@ class LumenConnector(KVConnectorBase_V1):
         self._copying: deque[tuple[StagedPages, list[SaveSpec]]] = deque()
         self._finished_while_copying: set[str] = set()
         self._load_errors: set[int] = set()
+        self._loading: dict[str, _Load] = {}  # worker: request -> its pages on their way
+        self._loaded: set[str] = set()  # worker: loads ended, not reported to vLLM yet
+        self._loading_since: float | None = None  # worker: loads in flight since then
         self._silent_until: dict[str, float] = {}  # worker: holder -> no GETs until then
         # Counts since the last stats report (vLLM sums them into Prometheus counters).
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
@@ -282,7 +305,8 @@ class LumenConnector(KVConnectorBase_V1):
         _, blocks = remembered
         # At least one token is left to compute: it yields the next token.
         blocks = min(blocks, (request.num_tokens - 1) // self._block_size)
-        return max(0, blocks * self._block_size - num_computed_tokens), False
+        tokens = max(0, blocks * self._block_size - num_computed_tokens)
+        return tokens, tokens > 0  # loaded beside the engine: the batch never waits for it
 
     def _lookup(self, tracked: _Tracked) -> int | None:
         """Blocks the holder has for a resumed request; None while its answer is awaited
@@ -325,12 +349,22 @@ class LumenConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             return
-        local_tokens = self._matched.get(request.request_id, (0, 0))[0]
-        tracked.load_from = local_tokens // self._block_size
-        tracked.load_blocks = num_external_tokens // self._block_size
+        count = num_external_tokens // self._block_size
+        if not count:
+            return
+        first = self._matched.get(request.request_id, (0, 0))[0] // self._block_size
+        block_ids = list(blocks.get_block_ids()[0][first:first + count])
+        tracked.load_from, tracked.load_block_ids = first, block_ids
+        self._loads_to_start.append(LoadSpec(
+            tracked.plan, request.request_id, block_ids,
+            [bytes(h) for h in tracked.request.block_hashes[first:first + count]]))
+        tracked.saved = first + count  # the holder has them already
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = LumenConnectorMetadata()
+        meta = LumenConnectorMetadata(
+            loads=self._loads_to_start,
+            idle=scheduler_output.total_num_scheduled_tokens == 0)
+        self._loads_to_start = []
         scheduled = scheduler_output.num_scheduled_tokens
         self._steps.scheduled(scheduled)
         for new in scheduler_output.scheduled_new_reqs:
@@ -338,13 +372,6 @@ class LumenConnector(KVConnectorBase_V1):
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            if tracked.load_blocks:
-                first, count = tracked.load_from, tracked.load_blocks
-                meta.loads.append(LoadSpec(
-                    tracked.plan, new.req_id, tracked.block_ids[first:first + count],
-                    [bytes(h) for h in tracked.request.block_hashes[first:first + count]]))
-                tracked.saved = first + count  # the holder has them already
-                tracked.load_blocks = 0
             self._plan_saves(meta, tracked, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -409,59 +436,90 @@ class LumenConnector(KVConnectorBase_V1):
                  self._pages.page_nbytes, self._pages.batch_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's new loads (vLLM calls this after launching the forward) and
+        write the pages that arrived meanwhile; nothing here waits for a holder."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, LumenConnectorMetadata)
-        if not meta.loads or self._pages is None or self._page_layout is None:
+        if self._pages is None or self._page_layout is None:
             return
-        # Every resumed request of this step: its pages fetched together, then one batch.
-        started = time.perf_counter()
+        for spec in meta.loads:
+            self._loading[spec.request_id] = _Load(spec, self._start_fetch(spec))
+        self._advance_loads()
+
+    def _start_fetch(self, spec: LoadSpec) -> PageFetch | None:
+        assert self._page_layout is not None
+        layout = self._page_layout
+        if self._silent_until.get(spec.plan.holder, 0.0) > time.monotonic():
+            return None  # it did not answer a moment ago: recompute without asking
+        if self._loading_since is None:
+            self._loading_since = time.perf_counter()
+        return PageFetch(
+            self._streamer(spec.plan.holder, layout), spec.plan.ckpt_id, spec.block_hashes,
+            window=max(4, min(GET_WINDOW, GET_WINDOW_BYTES // layout.page_nbytes)),
+            timeout_s=GET_TIMEOUT_S, page_nbytes=layout.page_nbytes)
+
+    def _advance_loads(self) -> None:
+        """Write the pages that arrived into their blocks (one batch for every load); end
+        the loads that are complete, short of a page, or timed out."""
+        if not self._loading or self._pages is None:
+            return
         block_ids: list[int] = []
         pages: list[Any] = []
-        for load in meta.loads:
-            fetched = self._fetch(load, self._page_layout)
-            block_ids += load.block_ids[:len(fetched)]
-            pages += fetched
+        for request_id, load in list(self._loading.items()):
+            if load.fetch is not None:
+                for index, page in load.fetch.advance().items():
+                    block_ids.append(load.spec.block_ids[index])
+                    pages.append(page.data)
+            if load.fetch is None or load.fetch.done:
+                self._end_load(load)
+                del self._loading[request_id]
+                self._loaded.add(request_id)
         if block_ids:
             self._pages.load(block_ids, pages)
-            self.counters["blocks_loaded"] += len(block_ids)
-            # The restore's cost (lumend.coordinator.estimates): bytes, and seconds from the
-            # first GET to the pages queued for the GPU (on CUDA the copy itself runs on,
-            # and the forward waits for, a side stream: not counted). Ranks restore their
-            # own pages in parallel: each counts its share of the wall time, so the sum over
-            # ranks is the restore's time and bytes / seconds the engine's bandwidth (and
-            # its tokens, each rank holding every token's share, bytes / tokens its KV bytes
-            # per token).
-            self.counters["restored_bytes"] += len(block_ids) * self._pages.page_nbytes
-            self.counters["restored_tokens"] += len(block_ids) * self._block_size / self._tp_size
-            self.counters["restore_seconds"] += (time.perf_counter() - started) / self._tp_size
+        if not any(load.fetch is not None for load in self._loading.values()):
+            self._count_loading_time()
 
-    def _fetch(self, load: LoadSpec, layout: PageLayout) -> list[Any]:
-        """The pages of `load` up to the first one missing or of the wrong size; the blocks
-        after it are recomputed (kv_load_failure_policy=recompute)."""
-        holder = load.plan.holder
-        if self._silent_until.get(holder, 0.0) > time.monotonic():
-            fetched = []  # it did not answer a moment ago: recompute without asking
-        else:
-            streamer = self._streamer(holder, layout)
-            timeouts = streamer.counters.timeouts
-            fetched = streamer.get_many(load.plan.ckpt_id, load.block_hashes,
-                                        window=max(4, min(GET_WINDOW, GET_WINDOW_BYTES //
-                                                          layout.page_nbytes)),
-                                        timeout_s=GET_TIMEOUT_S)
-            if streamer.counters.timeouts > timeouts:
-                self._silent_until[holder] = time.monotonic() + SILENT_HOLDER_S
-                log.warning("holder %s did not answer a GET within %.0f s; loads from it "
-                            "recompute for the next %.0f s", holder, GET_TIMEOUT_S,
-                            SILENT_HOLDER_S)
-        usable = 0
-        while usable < len(fetched) and fetched[usable].data.nbytes == layout.page_nbytes:
-            usable += 1
-        if usable < len(load.block_ids):
+    def _end_load(self, load: _Load) -> None:
+        spec, fetch = load.spec, load.fetch
+        usable = fetch.usable if fetch is not None else 0
+        if fetch is not None and fetch.timed_out:
+            self._silent_until[spec.plan.holder] = time.monotonic() + SILENT_HOLDER_S
+            log.warning("holder %s did not answer a GET within %.0f s; loads from it "
+                        "recompute for the next %.0f s", spec.plan.holder, GET_TIMEOUT_S,
+                        SILENT_HOLDER_S)
+        if usable < len(spec.block_ids):
             self.counters["load_failures"] += 1
-            self._load_errors.update(load.block_ids[usable:])
-            log.warning("checkpoint %s: block %d missing or of the wrong size; the request "
-                        "recomputes from there", load.plan.ckpt_id, usable)
-        return [page.data for page in fetched[:usable]]
+            self._load_errors.update(spec.block_ids[usable:])
+            log.warning("checkpoint %s: block %d missing, of the wrong size or not answered; "
+                        "the request recomputes from there", spec.plan.ckpt_id, usable)
+        if usable and self._pages is not None:
+            self.counters["blocks_loaded"] += usable
+            # The restore's cost (lumend.coordinator.estimates): bytes and tokens here, its
+            # seconds in _count_loading_time. Ranks restore their own pages in parallel:
+            # each counts its share of the wall time, so the sum over ranks is the
+            # restore's time and bytes / seconds the engine's bandwidth (and its tokens,
+            # each rank holding every token's share, bytes / tokens its KV bytes per token).
+            self.counters["restored_bytes"] += usable * self._pages.page_nbytes
+            self.counters["restored_tokens"] += usable * self._block_size / self._tp_size
+
+    def _count_loading_time(self, still_loading: bool = False) -> None:
+        """Add the wall time with loads in flight (concurrent loads share it: bytes over
+        this time is the bandwidth restores got, not the sum of their latencies)."""
+        if self._loading_since is None:
+            return
+        now = time.perf_counter()
+        self.counters["restore_seconds"] += (now - self._loading_since) / self._tp_size
+        self._loading_since = now if still_loading else None
+
+    def _wait_for_pages(self, wait_s: float) -> None:
+        """Wait up to `wait_s` for a reply from a holder a load is fetching from."""
+        poller = zmq.Poller()
+        sockets = {load.fetch.streamer.reply_socket() for load in self._loading.values()
+                   if load.fetch is not None}
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        if sockets:
+            poller.poll(int(wait_s * 1000))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -517,12 +575,19 @@ class LumenConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        """Forget finished requests' checkpoint progress (the scheduler side sends their
-        FINISH): what the worker keeps, and scans each step, stays bounded by what runs."""
+        """The loads that ended (their requests can be scheduled; a load error was reported
+        for the blocks that did not come), and forget finished requests' checkpoint progress
+        (the scheduler side sends their FINISH): what the worker keeps, and scans each step,
+        stays bounded by what runs."""
         self._send_copied()
         if self._copying:
             self._finished_while_copying |= finished_req_ids
         for request_id in finished_req_ids:
+            load = self._loading.pop(request_id, None)
+            if load is not None:  # aborted while loading: vLLM frees its blocks once told
+                if load.fetch is not None:
+                    load.fetch.cancel()
+                self._loaded.add(request_id)
             entry = self._saving.pop(request_id, None)
             if entry is None:
                 continue
@@ -532,7 +597,13 @@ class LumenConnector(KVConnectorBase_V1):
                 streamer.progress.pop(ckpt_id, None)
             self._incomplete.discard(ckpt_id)
             self._reported_incomplete.discard(ckpt_id)
-        return None, None
+        if self._loading:
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            if isinstance(meta, LumenConnectorMetadata) and meta.idle:
+                self._wait_for_pages(IDLE_LOAD_WAIT_S)
+            self._advance_loads()
+        loaded, self._loaded = self._loaded, set()
+        return None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -542,6 +613,7 @@ class LumenConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role == KVConnectorRole.WORKER:
+            self._count_loading_time(still_loading=self._loading_since is not None)
             sent, dropped = self._tally.since_last(self._streamers.values())
             self.counters["blocks_saved"] += sent
             self.counters["blocks_dropped"] += dropped
@@ -567,6 +639,15 @@ class LumenConnector(KVConnectorBase_V1):
         return LumenConnectorStats(data=data) if data else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            # A load that fell short: the blocks from the first one missing are recomputed
+            # here, and saved again (the holder lacks them).
+            for tracked in self._tracked.values():
+                for index, block_id in enumerate(tracked.load_block_ids):
+                    if block_id in invalid:
+                        tracked.saved = min(tracked.saved, tracked.load_from + index)
+                        break
         stats = connector_output.kv_connector_stats
         if stats is None:
             return
@@ -592,6 +673,9 @@ class LumenConnector(KVConnectorBase_V1):
         return False  # best effort: a dropped save is a later recompute, not an error
 
     def shutdown(self) -> None:
+        for load in self._loading.values():
+            if load.fetch is not None:
+                load.fetch.cancel()
         for batch, _ in self._copying:
             batch.wait()
         self._send_copied()

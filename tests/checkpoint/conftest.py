@@ -182,3 +182,17 @@ def held_blocks(holder: RunningHolder, ckpt_id: str) -> int:
         return 0 if ckpt is None else ckpt.reached.get(0, 0)
 
     return holder.call(count)
+
+
+@pytest.fixture
+def deaf_holder() -> Iterator[str]:
+    """A ROUTER that accepts connections and never reads: a holder that cannot keep up."""
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 2)
+    sock.setsockopt(zmq.RCVBUF, 64 * 1024)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        sock.close(0)

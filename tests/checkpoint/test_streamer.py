@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import zmq
 
 from lumenctl.localcluster import free_ports
 from lumend.checkpoint.streamer import CheckpointStreamer, PageLayout
@@ -33,20 +32,6 @@ def test_no_holder_means_every_block_is_dropped_at_once(make_streamer: MakeStrea
     assert s.counters.dropped == 50
     assert s.lookup("c1", [block_hash("c1", 0)], timeout_s=0.2) is None
     assert s.get("c1", block_hash("c1", 0), timeout_s=0.2) is None
-
-
-@pytest.fixture
-def deaf_holder() -> Iterator[str]:
-    """A ROUTER that accepts connections and never reads: a holder that cannot keep up."""
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 2)
-    sock.setsockopt(zmq.RCVBUF, 64 * 1024)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        yield f"tcp://127.0.0.1:{port}"
-    finally:
-        sock.close(0)
 
 
 def test_a_slow_holder_costs_blocks_not_blocking(deaf_holder: str,
