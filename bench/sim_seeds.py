@@ -40,6 +40,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--policies", default="stop_and_restart,fixed_checkpoint,lumen")
     ap.add_argument("--restore-gbps", type=float, default=None)
+    ap.add_argument("--restore-in-step", action="store_true",
+                    help="pages load inside the step that schedules the resumed request, "
+                         "stalling the holder's batch (LUMEN's vLLM connector before "
+                         "2026-12-07); default: beside the engine")
     args = ap.parse_args()
     sc = SCENARIOS[args.scenario]
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
@@ -54,6 +58,8 @@ def main() -> None:
                                         fraction=sc.fail_fraction))
         if args.restore_gbps is not None:
             cfg = replace(cfg, restore_bytes_per_s=args.restore_gbps * 1e9)
+        if args.restore_in_step:
+            cfg = replace(cfg, restore_async=False)
         workload = synthetic(rate * workers, duration, seed)
         for run in run_policies(workload, cfg, names):
             m = run.metrics

@@ -483,10 +483,12 @@ class LumenConnector(KVConnectorBase_V1):
         spec, fetch = load.spec, load.fetch
         usable = fetch.usable if fetch is not None else 0
         if fetch is not None and fetch.timed_out:
-            self._silent_until[spec.plan.holder] = time.monotonic() + SILENT_HOLDER_S
-            log.warning("holder %s did not answer a GET within %.0f s; loads from it "
-                        "recompute for the next %.0f s", spec.plan.holder, GET_TIMEOUT_S,
-                        SILENT_HOLDER_S)
+            now = time.monotonic()
+            if self._silent_until.get(spec.plan.holder, 0.0) <= now:  # once, not per load
+                log.warning("holder %s did not answer a GET within %.0f s; loads from it "
+                            "recompute for the next %.0f s", spec.plan.holder,
+                            GET_TIMEOUT_S, SILENT_HOLDER_S)
+            self._silent_until[spec.plan.holder] = now + SILENT_HOLDER_S
         if usable < len(spec.block_ids):
             self.counters["load_failures"] += 1
             self._load_errors.update(spec.block_ids[usable:])
@@ -642,11 +644,16 @@ class LumenConnector(KVConnectorBase_V1):
         invalid = connector_output.invalid_block_ids
         if invalid:
             # A load that fell short: the blocks from the first one missing are recomputed
-            # here, and saved again (the holder lacks them).
-            for tracked in self._tracked.values():
+            # here, and saved again (the holder lacks them). vLLM puts the request back in
+            # its queue and asks for its external tokens again: the answer is now what
+            # loaded, else it would load (and fail) again forever.
+            for request_id, tracked in self._tracked.items():
                 for index, block_id in enumerate(tracked.load_block_ids):
                     if block_id in invalid:
                         tracked.saved = min(tracked.saved, tracked.load_from + index)
+                        local, _ = self._matched.get(request_id, (0, 0))
+                        self._matched[request_id] = (local, tracked.load_from + index)
+                        tracked.load_block_ids = []
                         break
         stats = connector_output.kv_connector_stats
         if stats is None:

@@ -108,10 +108,11 @@ class SimConfig:
     budget_bytes: float = 64 * GIB          # host memory per worker for peers' checkpoints
     link_bytes_per_s: float = 12.5e9        # checkpoint stream out of each worker (100 GbE)
     restore_bytes_per_s: float = 25e9       # host -> GPU when resuming from a checkpoint
-    # False (the product's connector): pages load inside the step that schedules the resumed
-    # request, stalling the holder's batch. True: loads run beside the engine, concurrent
-    # ones sharing the holder's bandwidth, and the request queues when its pages are in.
-    restore_async: bool = False
+    # True (the product's vLLM connector and sim engine): loads run beside the engine,
+    # concurrent ones sharing the holder's bandwidth, and the request queues when its pages
+    # are in. False (the vLLM connector before 2026-12-07): pages load inside the step that
+    # schedules the resumed request, stalling the holder's batch.
+    restore_async: bool = True
     # A reload reads the weights from local NVMe: weight bytes / reload_gbps (3 GB/s: a
     # PCIe 4.0 NVMe drive's sustained safetensors read) + init_s (engine init, graph capture).
     # The draft model loads the same way. reload_s, when set, is the whole reload instead.

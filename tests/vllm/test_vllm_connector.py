@@ -481,6 +481,83 @@ def test_resumes_from_a_holder_that_hangs_at_its_gets_do_not_each_stall_the_engi
         time.sleep(0.5)
 
 
+class SlowGetsKeptAfterFinish(CheckpointStore):
+    """A real store whose holder takes `get_s` for each GET (its event loop busy: a holder
+    on a loaded node, or a slow link), and keeps a checkpoint after its request's FINISH (so
+    that the engine that saved it can resume from it)."""
+
+    def __init__(self, get_s: float) -> None:
+        super().__init__(("h0",), 256 << 20, "lru")
+        self.get_s = get_s
+
+    def finish(self, ckpt_id: str, request_id: str = "") -> int | None:
+        return None
+
+    def get(self, ckpt_id: str, block_hash: bytes, tp_rank: int) -> Page | None:
+        time.sleep(self.get_s)
+        return super().get(ckpt_id, block_hash, tp_rank)
+
+
+SLOW_GET_S = 1.0
+
+
+def test_a_resume_whose_pages_come_slowly_restores_them_while_the_engine_decodes(
+    engine: VllmServer,
+) -> None:
+    """A resumed request's pages take seconds to come (each GET SLOW_GET_S): the request
+    waits for them, restores them (no recompute) and continues exactly, while the engine's
+    other requests keep decoding. The loads used to run inside the engine's step: the whole
+    batch stood still for the restore (here at least 3 x SLOW_GET_S between two tokens;
+    negative control: this test on the synchronous loads fails with a gap of 2.5 s or more).
+    The request's own first token is measured too: it must have waited for its pages,
+    else the test could not have seen a stall."""
+    from lumend.checkpoint.holder import HolderConfig
+
+    store = SlowGetsKeptAfterFinish(SLOW_GET_S)
+    holder = RunningHolder(HolderConfig(listen="127.0.0.1:0", workers=("h0",),
+                                        budget_bytes=256 << 20), store=store).start()
+    plan = {"holder": holder.endpoint, "worker": "h0", "ckpt_id": "slow"}
+    try:
+        baseline = engine.complete(PROMPT, RESUME_AFTER + CONTINUE, {**plan, "mode": "save"})
+        resumed_prompt = PROMPT + baseline[:RESUME_AFTER]
+        blocks = (len(resumed_prompt) - 1) // BLOCK
+        deadline = time.monotonic() + 10
+        while held_blocks(holder, "slow") < blocks:
+            assert time.monotonic() < deadline, "the saving request's blocks never arrived"
+            time.sleep(0.1)
+        loaded_before = engine.metric("lumen_ckpt_blocks_loaded_total")
+        hits_before = engine.metric("vllm:external_prefix_cache_hits_total")
+
+        def resume() -> tuple[list[int], float]:
+            sent = time.monotonic()
+            first: list[float] = []
+
+            def note_first_token(got: list[int]) -> bool:
+                if got and not first:
+                    first.append(time.monotonic() - sent)
+                return False
+
+            tokens = engine.stream(resumed_prompt, CONTINUE, {**plan, "mode": "resume"},
+                                   note_first_token)
+            return tokens, first[0]
+
+        (continued, first_token_s), longest = longest_gap_beside(engine, resume)
+    finally:
+        holder.stop()
+    print(f"a resume whose {blocks} pages took {SLOW_GET_S} s each: its first token after "
+          f"{first_token_s:.2f} s; the longest gap between two tokens of a request was at "
+          f"least {longest} s")
+    assert continued == baseline[RESUME_AFTER:], "the resumed request must continue as before"
+    assert engine.metric("lumen_ckpt_blocks_loaded_total") - loaded_before == blocks, (
+        "the resume recomputed instead of restoring its pages")
+    hits = engine.metric("vllm:external_prefix_cache_hits_total") - hits_before
+    assert hits == blocks * BLOCK, f"the resume loaded {hits} tokens, not {blocks * BLOCK}"
+    assert first_token_s >= blocks * SLOW_GET_S * 0.9, (
+        "the resume did not wait for its slow pages: this test cannot see a stall")
+    assert longest < blocks * SLOW_GET_S / 2, (
+        f"the engine stood still for at least {longest} s while a resume's pages came")
+
+
 DEAD_HOLDERS = 10  # the scheduler used to wait 1 s for each one's connection
 
 
