@@ -100,18 +100,23 @@ class VllmServer:
             choices = sorted(json.load(r)["choices"], key=lambda c: c["index"])
         return [[int(t) for t in choice["token_ids"]] for choice in choices]
 
-    def stream(self, prompt: list[int], max_tokens: int, lumen: dict[str, str],
-               kill_when: Callable[[list[int]], bool]) -> list[int]:
-        """Stream a completion to its end, or SIGKILL the engine once `kill_when(tokens so
-        far)`; the tokens seen."""
+    def open_stream(self, prompt: list[int], max_tokens: int,
+                    lumen: dict[str, str]) -> Any:
+        """A streaming completion's response, its body not read yet."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True,
                 "stream": True, **({"kv_transfer_params": {"lumen": lumen}} if lumen else {})}
         request = urllib.request.Request(self.url + "/v1/completions",
                                          data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(request, timeout=120)
+
+    def stream(self, prompt: list[int], max_tokens: int, lumen: dict[str, str],
+               kill_when: Callable[[list[int]], bool]) -> list[int]:
+        """Stream a completion to its end, or SIGKILL the engine once `kill_when(tokens so
+        far)`; the tokens seen."""
         tokens: list[int] = []
-        with urllib.request.urlopen(request, timeout=120) as r:
+        with self.open_stream(prompt, max_tokens, lumen) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -542,15 +547,29 @@ def test_a_resume_whose_pages_come_slowly_restores_them_while_the_engine_decodes
             return tokens, first[0]
 
         (continued, first_token_s), longest = longest_gap_beside(engine, resume)
+        loaded = engine.metric("lumen_ckpt_blocks_loaded_total") - loaded_before
+        hits = engine.metric("vllm:external_prefix_cache_hits_total") - hits_before
+
+        # A resume whose client leaves while its pages come: vLLM frees its blocks once the
+        # worker stopped writing into them, and the engine goes on, exactly.
+        leaving = engine.open_stream(resumed_prompt, CONTINUE, {**plan, "mode": "resume"})
+        time.sleep(SLOW_GET_S)
+        leaving.close()
+        deadline = time.monotonic() + 30
+        while (engine.metric("vllm:num_requests_waiting") or
+               engine.metric("vllm:num_requests_running") or
+               engine.metric("vllm:kv_cache_usage_perc")):
+            assert time.monotonic() < deadline, (
+                "a resume whose client left while its pages came still holds its blocks")
+            time.sleep(0.2)
+        assert engine.complete(PROMPT, RESUME_AFTER + CONTINUE, {}) == baseline
     finally:
         holder.stop()
     print(f"a resume whose {blocks} pages took {SLOW_GET_S} s each: its first token after "
           f"{first_token_s:.2f} s; the longest gap between two tokens of a request was at "
           f"least {longest} s")
     assert continued == baseline[RESUME_AFTER:], "the resumed request must continue as before"
-    assert engine.metric("lumen_ckpt_blocks_loaded_total") - loaded_before == blocks, (
-        "the resume recomputed instead of restoring its pages")
-    hits = engine.metric("vllm:external_prefix_cache_hits_total") - hits_before
+    assert loaded == blocks, "the resume recomputed instead of restoring its pages"
     assert hits == blocks * BLOCK, f"the resume loaded {hits} tokens, not {blocks * BLOCK}"
     assert first_token_s >= blocks * SLOW_GET_S * 0.9, (
         "the resume did not wait for its slow pages: this test cannot see a stall")
