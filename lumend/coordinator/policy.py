@@ -109,6 +109,10 @@ class PolicyConfig:
     recompute_s_per_token: float = 1e-4     # prefill seconds per token (a full chunk's)
     kv_bytes_per_token: float = 262144.0    # to turn a checkpointed prefix into bytes
     block_tokens: int = 16
+    # Restores run beside the holder's engine (vLLM's asynchronous loads, the sim engine):
+    # they overlap the requests queued ahead and delay none of them. False: inside the step
+    # that schedules the resumed request (its whole batch waits; vLLM before 2026-12-07).
+    restore_beside_engine: bool = True
     delay_weight: float = 1.0               # routing: weight of the delay imposed on others
     assist_objective: str = "ttft"          # what draft-assist's gain weighs (assist_gain)
 
@@ -284,7 +288,9 @@ def completion_estimates(
     work + its own restore/recompute seconds) plus `delay_weight` times the delay its own
     seconds impose on the requests already there (they share its GPU steps): the extra work
     of recomputing delays everyone behind it, which matters most when the survivors are
-    overloaded.
+    overloaded. A restore beside the engine (`restore_beside_engine`) runs while the queued
+    work does and shares no GPU step: the request starts after the longer of the two, and
+    only the tokens it recomputes delay the others.
 
     The recompute target is the survivor admission would pick (`least_loaded`: the shortest
     queue with `admission = "queue"`), where stop-and-restart recomputes too; the estimate
@@ -305,7 +311,12 @@ def completion_estimates(
     resume = math.inf
     if holder is not None and snapshot.alive[holder] and prefix_blocks > 0:
         tokens = min(prefix_blocks * cfg.block_tokens, max(total_tokens - 1, 0))
-        resume = cost(holder, restore_s(tokens, cfg) + recompute_s(total_tokens - tokens, cfg))
+        restore, rest = restore_s(tokens, cfg), recompute_s(total_tokens - tokens, cfg)
+        if cfg.restore_beside_engine:
+            resume = (max(queued[holder], restore)
+                      + rest * (1.0 + weight * queue[holder]))
+        else:
+            resume = cost(holder, restore + rest)
     return resume, target, recompute
 
 

@@ -255,6 +255,7 @@ def cost_policy(cfg: SimConfig, pol: PolicyConfig) -> PolicyConfig:
     per_token = cost.step_time(cfg.chunk_tokens, 0, 0) / cfg.chunk_tokens
     # alpha and beta from these costs as the coordinator derives its own (policy.in_seconds).
     return in_seconds(replace(pol, restore_bytes_per_s=cfg.restore_bytes_per_s,
+                              restore_beside_engine=cfg.restore_async,
                               recompute_s_per_token=per_token,
                               kv_bytes_per_token=float(cost.model.kv_bytes_per_token),
                               block_tokens=cfg.block_tokens), cfg.mean_prompt_tokens)

@@ -88,6 +88,7 @@ def routing_cases(draw: st.DrawFn) -> tuple[LoadSnapshot, int | None, int, int, 
         work = [beta * (q - r) for q, r in zip(queue, running, strict=True)]
     cfg = replace(COST, beta=beta, delay_weight=draw(st.sampled_from([0.0, 0.5, 1.0])),
                   restore_bytes_per_s=draw(st.sampled_from([1e9, 25e9])),
+                  restore_beside_engine=draw(st.booleans()),
                   recompute_s_per_token=draw(st.sampled_from([0.0, 1e-4, 4e-4])))
     holder = draw(st.sampled_from([None, *range(n)]))
     blocks = draw(st.integers(0, 300))
@@ -119,8 +120,14 @@ def test_recompute_target_is_admissions_choice_and_routing_never_picks_a_slower_
     if resume != math.inf:
         assert holder is not None
         tokens = min(blocks * cfg.block_tokens, total - 1)
-        resume_own = policy.restore_s(tokens, cfg) + policy.recompute_s(total - tokens, cfg)
-        assert resume == estimate(s, holder, resume_own, cfg)
+        restore = policy.restore_s(tokens, cfg)
+        rest = policy.recompute_s(total - tokens, cfg)
+        if cfg.restore_beside_engine:  # overlaps the queued work; only `rest` delays others
+            queued = policy.work(s, cfg)[holder]
+            assert resume == pytest.approx(max(queued, restore) + estimate(s, holder, rest, cfg)
+                                           - queued)
+        else:
+            assert resume == estimate(s, holder, restore + rest, cfg)
         options.append(resume)
     assert route is not None and s.alive[route.worker]
     chosen = resume if route.resume else recompute
@@ -176,6 +183,24 @@ def test_routing_resumes_unless_the_holder_is_far_behind() -> None:
     alone = policy.recover(snap([500, 400], [30.0, 0.0]), 0, 64,
                            replace(COST, delay_weight=0.0), 1030)
     assert alone == policy.Route(1, False)
+
+
+def test_a_restore_beside_the_engine_overlaps_the_holders_queue() -> None:
+    """3200 tokens at 1 GB/s: 0.84 s of restore against 0.32 s of recompute. Inside the
+    holder's step the restore stalls its 5 requests too, and recomputing is cheaper; beside
+    the engine it runs while the holder's 1 s of queued work does and delays nobody, and
+    resuming is cheaper (negative control: the same case with restores in the step)."""
+    slow = replace(COST, restore_bytes_per_s=1e9)
+    equal = snap([5, 5], [1.0, 1.0])
+    beside = policy.completion_estimates(equal, 1, 200, 3210, slow)
+    in_step = policy.completion_estimates(equal, 1, 200, 3210,
+                                          replace(slow, restore_beside_engine=False))
+    assert beside[0] == pytest.approx(1.0 + 10 * 1e-4 * 6)
+    assert in_step[0] == pytest.approx(1.0 + (3200 * 262144 / 1e9 + 10 * 1e-4) * 6)
+    assert beside[2] == in_step[2] == pytest.approx(1.0 + 3210 * 1e-4 * 6)
+    assert policy.recover(equal, 1, 200, slow, 3210) == policy.Route(1, True)
+    assert policy.recover(equal, 1, 200, replace(slow, restore_beside_engine=False),
+                          3210) == policy.Route(0, False)
 
 
 def test_the_paper_forms_stay_the_default() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lumend.cluster.models import (
     CheckpointUsage,
     ClusterSettings,
@@ -59,11 +61,15 @@ def test_recovery_resumes_on_the_holder_unless_it_is_overloaded() -> None:
     busy = view(worker("a0", "a"), worker("b0", "b", running=1), worker("c0", "c", running=99))
     assert route(busy, placement, "a0", prefix_tokens=32) == ("b0", False)
     # ...unless the prefix is long (more than tau blocks): resume anyway (the paper's
-    # decisions; cost-aware ones compare estimated seconds, and 99 queued requests at the
-    # holder outweigh recomputing 65 blocks).
+    # decisions). Cost-aware ones compare estimated seconds: the restore runs beside the
+    # holder's engine and stalls none of its 99 running requests, so resuming wins; with
+    # restores inside the holder's step (vLLM before 2026-12-07) those 99 would wait for it
+    # and recomputing 65 blocks elsewhere wins.
     paper = policy_config(ClusterSettings(decisions="paper"))
     assert route(busy, placement, "a0", prefix_tokens=16 * 65, cfg=paper) == ("c0", True)
-    assert route(busy, placement, "a0", prefix_tokens=16 * 65) == ("b0", False)
+    assert route(busy, placement, "a0", prefix_tokens=16 * 65) == ("c0", True)
+    in_step = replace(policy_config(ClusterSettings()), restore_beside_engine=False)
+    assert route(busy, placement, "a0", prefix_tokens=16 * 65, cfg=in_step) == ("b0", False)
     # No checkpoint: recompute on the least-loaded survivor, never on the failed worker.
     assert route(v, None, "a0", prefix_tokens=160) == ("c0", False)
 
