@@ -444,11 +444,12 @@ SILENT_HOLDER_RESUMES = 8  # each one's load used to wait GET_TIMEOUT_S (2 s): 1
 def test_resumes_from_a_holder_that_hangs_at_its_gets_do_not_each_stall_the_engine(
     engine: VllmServer,
 ) -> None:
-    """The holder answers the resumes' LOOKUPs, then hangs at their GETs. The first load
-    waits GET_TIMEOUT_S and recomputes; the loads after it do not ask that holder again
-    for SILENT_HOLDER_S and recompute at once. Before, each waited 2 s in turn, the engine
-    standing still: 8 such resumes gave the other requests a gap of 10 s or more between
-    two tokens (negative control: SILENT_HOLDER_S = 0). Every resume recomputes exactly."""
+    """The holder answers the resumes' LOOKUPs, then hangs at their GETs. Their loads run
+    beside the engine, time out after GET_TIMEOUT_S and recompute; loads started after that
+    do not ask that holder for SILENT_HOLDER_S. When loads ran inside the step, each waited
+    2 s in turn with the engine standing still: 8 such resumes gave the other requests a gap
+    of 10 s or more between two tokens (negative control then: SILENT_HOLDER_S = 0; now the
+    synchronous connector, 1edb34e). Every resume recomputes exactly."""
     from lumend.checkpoint.holder import HolderConfig
 
     baseline = engine.complete(PROMPT, CONTINUE, {})
