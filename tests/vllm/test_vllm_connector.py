@@ -448,8 +448,11 @@ def test_resumes_from_a_holder_that_hangs_at_its_gets_do_not_each_stall_the_engi
     beside the engine, time out after GET_TIMEOUT_S and recompute; loads started after that
     do not ask that holder for SILENT_HOLDER_S. When loads ran inside the step, each waited
     2 s in turn with the engine standing still: 8 such resumes gave the other requests a gap
-    of 10 s or more between two tokens (negative control then: SILENT_HOLDER_S = 0; now the
-    synchronous connector, 1edb34e). Every resume recomputes exactly."""
+    of 10 s or more between two tokens (negative control: SILENT_HOLDER_S = 0 with loads in
+    the step, as at 1edb34e; beside the engine the stall no longer depends on it, and
+    test_a_resume_whose_pages_come_slowly_... carries the stall's negative control). What
+    this test still proves: a hung holder costs the resumes a recompute, exact, and the
+    engine says which holder it stopped asking."""
     from lumend.checkpoint.holder import HolderConfig
 
     baseline = engine.complete(PROMPT, CONTINUE, {})
