@@ -4,8 +4,10 @@ little at a time by a caller that must not block (vLLM's worker, between two for
 `advance()` takes the replies already here and keeps up to `window` GETs in flight (one
 round trip per page would bound a restore by the latency, not the bandwidth). A page the
 holder does not have, or of the wrong size, ends the usable prefix: the pages after it are
-useless to a resume (a holder matches consecutive blocks only). A fetch that hears nothing
-for `timeout_s` ends there too, and says so (`timed_out`).
+useless to a resume (a holder matches consecutive blocks only). A fetch ends there too,
+and says so (`timed_out`), when its holder has answered nothing, to it or to another fetch
+on the same streamer, for `timeout_s`: fetches from one holder queue behind each other
+there, and a holder busy answering the others is not a silent one.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class PageFetch:
     def done(self) -> bool:
         return self._ended()
 
-    def _ended(self) -> bool:
+    def _ended(self) -> bool:  # a method too: mypy narrows a property read twice in advance()
         return self.cancelled or self.timed_out or self._usable >= self.limit
 
     @property
@@ -90,6 +92,7 @@ class PageFetch:
         self._send(window)
         if not self._pending:  # nothing asked (a budget shared with others): no one is late
             self._deadline = now + self._timeout_s
+        self._deadline = max(self._deadline, self.streamer.last_reply_at + self._timeout_s)
         if self._ended():
             self._forget_pending()
         elif now > self._deadline:

@@ -143,6 +143,7 @@ class CheckpointStreamer:
         self._seq = itertools.count(1)
         # `ask` calls not handed out yet: seq -> the reply once it came
         self._awaited: dict[int, wire.Message | None] = {}
+        self.last_reply_at = float("-inf")  # when the holder last answered any call
         self.progress: dict[str, CheckpointProgress] = {}
         self.counters = StreamerCounters()
 
@@ -417,6 +418,7 @@ class CheckpointStreamer:
         except WireError as exc:
             self._count_error(exc.reason)
             return None
+        self.last_reply_at = time.monotonic()
         if message.header.seq in self._awaited:
             self._awaited[message.header.seq] = message
             return None

@@ -171,8 +171,6 @@ class _Load:
     fetch: PageFetch | None  # None: the holder is silent, nothing is asked
 
 
-
-
 @dataclass
 class _Tracked:
     """What the scheduler side keeps per request with a checkpoint plan."""
