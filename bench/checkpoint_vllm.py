@@ -44,6 +44,7 @@ from lumenctl.localcluster import free_ports, stop_process
 from lumend.checkpoint.holder import HolderConfig, HolderService
 from lumend.engine.adapter import LUMEN_KV_TRANSFER_CONFIG
 from tests.vllm.tiny_model import build_tiny_llama
+from tests.vllm.token_gaps import inter_token_gaps, longest_gap_since
 
 BLOCK = 32
 
@@ -104,33 +105,6 @@ def metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
-
-
-def inter_token_buckets(url: str) -> dict[float, float]:
-    """vLLM's inter-token latency histogram: upper bound -> cumulative count."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    counts: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:inter_token_latency_seconds_bucket{"):
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
-            edge = float("inf") if bound == "+Inf" else float(bound)
-            counts[edge] = counts.get(edge, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
-
-
-def longest_gap_since(url: str, before: dict[float, float]) -> float:
-    """The lower edge of the highest inter-token latency bucket that gained a count since
-    `before` (s): at least this long, some request waited between two tokens."""
-    after = inter_token_buckets(url)
-    edges = sorted(after)
-    longest = 0.0
-    for low, high in zip([0.0, *edges], edges, strict=False):
-        gained = (after[high] - before.get(high, 0.0)) - (
-            after.get(low, 0.0) - before.get(low, 0.0) if low else 0.0)
-        if gained > 0:
-            longest = low
-    return longest
 
 
 def wire_seconds(endpoint: str, pages: list[bytes], name: str, *, windowed: bool,
@@ -298,12 +272,12 @@ def main() -> None:
                             if time.monotonic() > deadline:
                                 sys.exit(f"the holder did not get {n} tokens' blocks")
                             time.sleep(0.05)
-                        gaps = inter_token_buckets(url)
+                        gaps = inter_token_gaps(url)
                         _, t = post(url, base)
                         recompute.append(t)
                         recompute_stalls.append(longest_gap_since(url, gaps))
                         before = metric(url, "vllm:external_prefix_cache_hits_total")
-                        gaps = inter_token_buckets(url)
+                        gaps = inter_token_gaps(url)
                         _, t = post(url, {**base, "kv_transfer_params": {"lumen": {
                             **ckpt, "mode": "resume"}}})
                         resume.append(t)

@@ -7,7 +7,6 @@ pages corrupted, B's continuation diverges: the loaded pages are what B computes
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import random
@@ -33,6 +32,7 @@ from lumend.engine.step_fit import StepFitSums, solve
 
 from ..checkpoint.conftest import RunningHolder, held_blocks
 from .conftest import VLLM_ARGS, VLLM_ENV
+from .token_gaps import inter_token_gaps, longest_gap_since
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -137,21 +137,6 @@ class VllmServer:
             raise AssertionError(f"the stream ended after {len(tokens)} tokens, before the "
                                  "kill condition held")
         return tokens
-
-    def inter_token_gaps(self) -> dict[float, float]:
-        """vLLM's inter-token latency histogram (measured at its API server, so the test
-        client's own lag does not count): lower edge of each bucket -> gaps in it, summed
-        over the engine's requests."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-        at_most: dict[float, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:inter_token_latency_seconds_bucket{"):
-                bound = line.split('le="', 1)[1].split('"', 1)[0]
-                edge = float("inf") if bound == "+Inf" else float(bound)
-                at_most[edge] = at_most.get(edge, 0.0) + float(line.rsplit(" ", 1)[1])
-        edges = sorted(at_most)
-        return {low: at_most[high] - at_most[low] for low, high in itertools.pairwise(edges)}
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
@@ -281,15 +266,14 @@ def longest_gap_beside(engine: VllmServer, burst: Callable[[], T]) -> tuple[T, f
     """Run `burst` while a steady request decodes on `engine`: its result, and the longest
     gap between two tokens of any request meanwhile (the lower edge of vLLM's histogram
     bucket, s). The steady request must complete."""
-    gaps_before = engine.inter_token_gaps()
+    gaps_before = inter_token_gaps(engine.url)
     with ThreadPoolExecutor(1) as pool:
         steady = pool.submit(engine.stream, PROMPT, MAX_LEN - len(PROMPT) - 1, {},
                              lambda tokens: False)
         time.sleep(0.5)  # the steady request is decoding when the burst comes
         result = burst()
         assert len(steady.result()) == MAX_LEN - len(PROMPT) - 1
-    gaps = {low: n - gaps_before.get(low, 0.0) for low, n in engine.inter_token_gaps().items()}
-    return result, max((low for low, n in gaps.items() if n > 0), default=0.0)
+    return result, longest_gap_since(engine.url, gaps_before)
 
 
 def completions_at_once(engine: VllmServer, lumen_plans: list[dict[str, str]]
